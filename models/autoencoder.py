@@ -1,0 +1,126 @@
+"""The paper's convolutional autoencoder (FLT's ConvAE) and its ONNX encoder.
+
+Clients embed their local data with the encoder only; it ships as ONNX so edge
+devices need onnxruntime, not torch.
+"""
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class ConvAE(nn.Module):
+    """ConvAE: 28x28 input -> 4*7*7 = 196 -> ``latent`` (128) as in the paper.
+
+    H and W must be divisible by 4 so the two 2x transposed convs restore the input size.
+    """
+
+    def __init__(self, in_shape: tuple[int, int, int] = (1, 28, 28), latent: int = 128):
+        super().__init__()
+        c, h, w = (int(s) for s in in_shape)
+        if h % 4 or w % 4:
+            raise ValueError(f"ConvAE needs H and W divisible by 4, got {in_shape}")
+        self.in_shape = (c, h, w)
+        self.latent = int(latent)
+        bottleneck = (4, h // 4, w // 4)
+        d = 4 * (h // 4) * (w // 4)
+        self.encoder = nn.Sequential(
+            nn.Conv2d(c, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 4, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(d, self.latent),
+        )
+        self.decoder = nn.Sequential(
+            nn.Linear(self.latent, d),
+            nn.ReLU(),
+            nn.Unflatten(1, bottleneck),
+            nn.ConvTranspose2d(4, 16, 2, stride=2),
+            nn.ReLU(),
+            nn.ConvTranspose2d(16, c, 2, stride=2),
+            nn.Sigmoid(),  # inputs are scaled to [0, 1]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Reconstruction, same shape as ``x``, values in [0, 1]."""
+        return self.decoder(self.encoder(x))
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Embedding ``[N, latent]``."""
+        return self.encoder(x)
+
+
+def export_encoder_onnx(ae: ConvAE, in_shape: tuple[int, int, int]) -> bytes:
+    """Serialize the encoder as one self-contained ONNX model (opset 17).
+
+    Input ``images`` float32 ``[batch, C, H, W]``, output ``embedding``
+    ``[batch, latent]``; the batch axis is dynamic. ``ae`` is exported in eval
+    mode; its previous train/eval mode is restored afterwards.
+    """
+    was_training = ae.training
+    ae.eval()
+    try:
+        p = next(ae.encoder.parameters())
+        dummy = torch.zeros(2, *in_shape, dtype=torch.float32, device=p.device)
+        buf = io.BytesIO()
+        with warnings.catch_warnings(), torch.no_grad():
+            # The TorchScript exporter is deprecated but needs no onnxscript
+            # (not installed); the dynamo exporter (default since torch 2.9)
+            # would fail without it.
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                ae.encoder,
+                (dummy,),
+                buf,
+                dynamo=False,
+                input_names=["images"],
+                output_names=["embedding"],
+                dynamic_axes={"images": {0: "batch"}, "embedding": {0: "batch"}},
+                opset_version=17,
+                do_constant_folding=True,
+                export_params=True,
+            )
+    finally:
+        ae.train(was_training)
+    data = buf.getvalue()
+    _check_self_contained(data)
+    return data
+
+
+def _check_self_contained(data: bytes) -> None:
+    """Fail loudly if the model references external data files (bytes alone must suffice)."""
+    import onnx
+    from onnx.external_data_helper import uses_external_data
+
+    model = onnx.load_model_from_string(data)
+    if any(uses_external_data(t) for t in model.graph.initializer):
+        raise RuntimeError("exported ONNX model references external data")
+    onnx.checker.check_model(model)
+
+
+def onnx_session(onnx_bytes: bytes, intra_op_num_threads: int = 1):
+    """CPU onnxruntime session for the exported encoder (1 thread: many emulated clients share a host)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = int(intra_op_num_threads)
+    opts.inter_op_num_threads = 1
+    return ort.InferenceSession(onnx_bytes, sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+def onnx_embed(session, x: np.ndarray, batch: int = 1024) -> np.ndarray:
+    """Embed ``x`` float32 ``[N, C, H, W]`` in chunks of ``batch`` -> ``[N, latent]``."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    in_name = session.get_inputs()[0].name
+    out_dim = session.get_outputs()[0].shape[-1]
+    if len(x) == 0:
+        return np.zeros((0, int(out_dim) if isinstance(out_dim, int) else 0), dtype=np.float32)
+    outs = [session.run(None, {in_name: x[i:i + batch]})[0] for i in range(0, len(x), batch)]
+    return np.concatenate(outs, axis=0).astype(np.float32, copy=False)
