@@ -1,0 +1,5 @@
+import sys
+
+from devices.device import main
+
+sys.exit(main())

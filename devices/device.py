@@ -1,0 +1,277 @@
+"""A device process: hosts many virtual clients and serves the server's tasks.
+
+It connects a DEALER socket to the server's ROUTER, says hello, receives its clients'
+shard indices (never their data), loads the data itself from its own data root, and
+then answers tasks until told to shut down. Tasks of one kind and round arrive one
+message per client (so bytes are counted per client, as on real edge devices); the
+header says how many belong to this device's cohort, and the device processes the whole
+cohort in one vectorized call once the last one is in.
+
+Run by hand on another host:  flt device --connect tcp://SERVER:5555 --data-root DIR
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zmq
+
+from devices import embedding
+from devices.trainer import CohortTrainer, TrainConfig
+from models.flat import param_spec
+from models.nets import build_model
+from models.wire import Message, ProtocolError, decode, encode
+from scenarios.datasets import load_dataset
+
+log = logging.getLogger("flt.device")
+
+
+@dataclass
+class Shard:
+    x: torch.Tensor        # float32 [n, C, H, W] in [0, 1]
+    y: torch.Tensor        # int64 [n]
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+
+class Device:
+    def __init__(self, endpoint: str, name: str | None = None, data_root: str | None = None,
+                 threads: int = 1, parent_pid: int | None = None, crash_at_round: int | None = None):
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self.data_root, self.parent_pid = data_root, parent_pid
+        torch.set_num_threads(max(1, threads))
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        self.sock.setsockopt(zmq.LINGER, 2000)
+        self.sock.connect(endpoint)
+        self.shards: dict[int, Shard] = {}
+        self.resident: dict[int, torch.Tensor] = {}  # per-client models kept on the device (Local)
+        self.init: torch.Tensor | None = None        # the run's initial weights (sent with reset)
+        self.flags: set[int] = set()                  # clients whose data changed since their last update
+        self.pending: dict[int, list[Message]] = {}  # batch id -> messages of an incomplete cohort
+        self.datasets: dict[tuple, tuple] = {}
+        self.trainer: CohortTrainer | None = None
+        self.rejected = 0
+        self.crash_at_round = crash_at_round  # fault injection: die mid-round, as a real device can
+
+    # -- loop -----------------------------------------------------------------------
+    def run(self) -> int:
+        self.send(Message("hello", meta={"name": self.name, "pid": os.getpid(),
+                                         "threads": torch.get_num_threads()}))
+        handlers = {"assign": self.on_assign, "reset": self.on_reset, "drift": self.on_drift}
+        while True:
+            if not self.sock.poll(1000):
+                if self.parent_pid and os.getppid() != self.parent_pid:  # orphaned
+                    log.warning("%s: parent process %s is gone; exiting", self.name, self.parent_pid)
+                    return 1
+                continue
+            frames = self.sock.recv_multipart(copy=False)
+            try:
+                msg = decode(frames)
+            except ProtocolError as exc:
+                self.rejected += 1
+                log.error("%s: rejected malformed message (%d so far): %s", self.name, self.rejected, exc)
+                continue
+            if msg.kind == "shutdown":
+                log.info("%s: shutdown", self.name)
+                return 0
+            if msg.kind in handlers:
+                self._guard(handlers[msg.kind], msg)
+            elif msg.kind in ("train", "evaluate", "encoder"):
+                self.collect(msg)
+            else:
+                self.rejected += 1
+                log.error("%s: unexpected message kind %r from server", self.name, msg.kind)
+
+    def send(self, msg: Message) -> None:
+        self.sock.send_multipart(encode(msg), copy=False)
+
+    def _guard(self, fn, msg: Message) -> None:
+        try:
+            fn(msg)
+        except Exception as exc:  # report, never die: the server decides what to do
+            log.error("%s: %s failed:\n%s", self.name, msg.kind, traceback.format_exc())
+            self.send(Message("error", msg.round, msg.client,
+                              meta={"reason": f"{type(exc).__name__}: {exc}", "for": msg.kind,
+                                    "batch": msg.meta.get("batch", -1)}))
+
+    # -- set-up ---------------------------------------------------------------------
+    def on_assign(self, msg: Message) -> None:
+        spec, t = msg.meta, msg.tensors
+        root = self.data_root or spec["dataset"].get("root")
+        train = self._dataset(spec["dataset"]["name"], root, True, spec["dataset"].get("download", False))
+        test = self._dataset(spec["dataset"]["name"], root, False, spec["dataset"].get("download", False))
+        for cid, tr, te in zip(t["clients"], _split(t, "train"), _split(t, "test")):
+            self.shards[int(cid)] = _shard(train, test, tr, te)
+        m = spec["model"]
+        model = build_model(m["name"], tuple(m["in_shape"]), m["num_classes"])
+        self.trainer = CohortTrainer(model, param_spec(model))
+        log.info("%s: hosting %d clients", self.name, len(self.shards))
+        self.send(Message("ready", meta={"clients": [int(c) for c in t["clients"]]}))
+
+    def _dataset(self, name, root, train, download):
+        key = (name, root, train)
+        if key not in self.datasets:
+            ds = load_dataset(name, root, train=train, download=download)
+            self.datasets[key] = (torch.from_numpy(ds.x), torch.from_numpy(ds.y))
+        return self.datasets[key]
+
+    def on_reset(self, msg: Message) -> None:
+        """A new method starts: forget per-client state; keep the run's initial weights."""
+        self.init = torch.from_numpy(np.array(msg.tensors["init"], dtype=np.float32))
+        self.resident.clear()
+        self.flags.clear()
+        self.pending.clear()
+
+    def on_drift(self, msg: Message) -> None:
+        """Emulated data drift: the client's shard is replaced, and it raises its flag."""
+        train = self._dataset(*msg.meta["dataset"], True, False)
+        test = self._dataset(*msg.meta["dataset"], False, False)
+        self.shards[msg.client] = _shard(train, test, msg.tensors["train"], msg.tensors["test"])
+        self.flags.add(msg.client)
+
+    # -- cohorts --------------------------------------------------------------------
+    def collect(self, msg: Message) -> None:
+        if msg.client not in self.shards:
+            self.rejected += 1
+            log.error("%s: task for unknown client %d rejected", self.name, msg.client)
+            self.send(Message("error", msg.round, msg.client,
+                              meta={"reason": f"client {msg.client} is not hosted on {self.name}",
+                                    "for": msg.kind, "batch": msg.meta.get("batch", -1)}))
+            return
+        if msg.kind == "train" and msg.round == self.crash_at_round:
+            log.error("%s: injected crash in round %d (tasks received, no reply)", self.name, msg.round)
+            os._exit(3)
+        batch = self.pending.setdefault(msg.meta["batch"], [])
+        batch.append(msg)
+        if len(batch) == msg.meta["cohort"]:
+            del self.pending[msg.meta["batch"]]
+            self._process(batch)
+
+    def _process(self, batch: list[Message]) -> None:
+        kind = batch[0].kind
+        handler = {"train": self.train, "evaluate": self.evaluate, "encoder": self.encode_fcr}[kind]
+        try:
+            for reply in handler(batch):
+                self.send(reply)
+        except Exception as exc:
+            log.error("%s: %s cohort failed:\n%s", self.name, kind, traceback.format_exc())
+            for m in batch:
+                self.send(Message("error", m.round, m.client,
+                                  meta={"reason": f"{type(exc).__name__}: {exc}", "for": kind,
+                                        "batch": m.meta["batch"]}))
+
+    def _generator(self, batch: list[Message]) -> torch.Generator:
+        # seeded by the server's per-round seed and the cohort: reruns give the same result
+        seed = batch[0].meta.get("seed", 0) * 1_000_003 + sum(m.client for m in batch)
+        torch.manual_seed(seed)  # dropout under vmap draws from the global generator
+        return torch.Generator().manual_seed(seed)
+
+    def _start_models(self, batch: list[Message]) -> list[torch.Tensor]:
+        """Candidate models [K, P] per message: the ones sent, or the device's own copy."""
+        rows = []
+        for m in batch:
+            if m.meta.get("resident"):  # Local: the client's own model lives on the device
+                if m.client not in self.resident:
+                    sent = m.tensors.get("model")
+                    self.resident[m.client] = self.init.clone() if sent is None else \
+                        torch.from_numpy(np.array(sent[0], dtype=np.float32))
+                rows.append(self.resident[m.client][None])
+            else:
+                rows.append(torch.from_numpy(np.array(m.tensors["model"], dtype=np.float32)))
+        return rows
+
+    def train(self, batch: list[Message]) -> list[Message]:
+        gen = self._generator(batch)
+        shards = [self.shards[m.client] for m in batch]
+        xs, ys = [s.x for s in shards], [s.y for s in shards]
+        candidates = self._start_models(batch)
+        choice = [0] * len(batch)
+        if any(len(c) > 1 for c in candidates):  # IFCA: pick the candidate with lowest loss
+            choice = [int(self.trainer.losses_of(c, [x], [y]).argmin()) for c, x, y in zip(candidates, xs, ys)]
+        start = torch.stack([c[k] for c, k in zip(candidates, choice)])
+        m0 = batch[0].meta
+        cfg = TrainConfig(epochs=m0["epochs"], batch_size=m0["batch_size"], lr=m0["lr"],
+                          prox_mu=m0.get("prox_mu", 0.0), vectorize=m0.get("vectorize", True))
+        tic = time.perf_counter()
+        trained, losses = self.trainer.train(start, xs, ys, cfg, gen)
+        seconds = (time.perf_counter() - tic) / len(batch)
+        replies = []
+        for i, m in enumerate(batch):
+            meta = {"batch": m.meta["batch"], "n": len(xs[i]), "loss": float(losses[i]),
+                    "choice": choice[i], "flag": int(m.client in self.flags),
+                    "compute_s": seconds, "steps": -(-len(xs[i]) // cfg.batch_size) * cfg.epochs}
+            self.flags.discard(m.client)
+            if m.meta.get("resident"):
+                self.resident[m.client] = trained[i].clone()
+                replies.append(Message("update", m.round, m.client, meta=meta))
+            else:
+                replies.append(Message("update", m.round, m.client,
+                                       tensors={"model": trained[i].numpy()}, meta=meta))
+        return replies
+
+    def evaluate(self, batch: list[Message]) -> list[Message]:
+        models = torch.stack([c[0] for c in self._start_models(batch)])
+        shards = [self.shards[m.client] for m in batch]
+        correct, total, loss = self.trainer.evaluate(models, [s.x_test for s in shards],
+                                                     [s.y_test for s in shards])
+        return [Message("metrics", m.round, m.client,
+                        meta={"batch": m.meta["batch"], "correct": float(correct[i]),
+                              "total": float(total[i]), "loss": float(loss[i])})
+                for i, m in enumerate(batch)]
+
+    def encode_fcr(self, batch: list[Message]) -> list[Message]:
+        meta, t = batch[0].meta, batch[0].tensors
+        xs = [self.shards[m.client].x for m in batch]
+        if meta["format"] == "onnx":
+            embs = embedding.embed_onnx(t["onnx"], xs)
+        elif meta["format"] == "linear":
+            embs = embedding.embed_linear(t["components"], t["mean"], xs)
+        else:
+            embs = embedding.embed_finetuned(t["weights"], meta, xs, self._generator(batch))
+        out = []
+        for m, e in zip(batch, embs):
+            c = embedding.centroids(e, meta["k"], seed=meta["seed"] + m.client)
+            self.flags.discard(m.client)
+            out.append(Message("centroids", m.round, m.client, tensors={"centroids": c},
+                               meta={"batch": m.meta["batch"], "n": len(e)}))
+        return out
+
+
+def _split(t: dict, name: str) -> list[np.ndarray]:
+    return np.split(t[f"{name}_idx"], t[f"{name}_offsets"][1:-1])
+
+
+def _shard(train, test, tr_idx, te_idx) -> Shard:
+    (x, y), (xt, yt) = train, test
+    tr, te = torch.as_tensor(np.asarray(tr_idx)), torch.as_tensor(np.asarray(te_idx))
+    return Shard(x[tr].float().div_(255), y[tr].long(), xt[te].float().div_(255), yt[te].long())
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="flt device", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--connect", required=True, help="server address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--name", help="device id (default host-pid); must be unique per server")
+    p.add_argument("--data-root", help="where this host keeps the dataset (overrides the scenario's)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for this device")
+    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--crash-at-round", type=int, help="fault injection: exit when round N's tasks arrive")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    return Device(a.connect, a.name, a.data_root, a.threads, a.parent_pid, a.crash_at_round).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

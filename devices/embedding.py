@@ -1,0 +1,81 @@
+"""Client side of FCR: embed the client's own data, summarise it with k-means.
+
+Three encoders can arrive over the wire (message kind "encoder"):
+- "onnx": the frozen ConvAE encoder as ONNX bytes, run with onnxruntime (Enc1);
+- "autoencoder": the whole ConvAE as a flat float32 vector; each client fine-tunes its
+  own copy for J epochs on its own data (Enc2), then embeds with it in eval mode;
+- "linear": a shared PCA basis (components, mean) for the PCA+kM+HC baseline.
+Only the k x e centroids leave the device.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from sklearn.cluster import KMeans
+from sklearn.metrics import silhouette_score
+from torch.func import functional_call, vmap
+
+from devices.trainer import CohortTrainer, TrainConfig, _pad
+from models.autoencoder import ConvAE, onnx_embed, onnx_session
+from models.flat import param_spec
+
+_SESSIONS: dict[int, object] = {}
+
+
+def embed_onnx(onnx_bytes: np.ndarray, xs: list[torch.Tensor]) -> list[np.ndarray]:
+    """Run the ONNX encoder on every client's data in one onnxruntime call."""
+    key = hash(onnx_bytes.tobytes())
+    if key not in _SESSIONS:  # the same encoder arrives once per client: build one session
+        _SESSIONS.clear()
+        _SESSIONS[key] = onnx_session(onnx_bytes.tobytes())
+    flat = onnx_embed(_SESSIONS[key], torch.cat(xs).numpy())
+    return np.split(flat, np.cumsum([len(x) for x in xs])[:-1])
+
+
+def embed_linear(components: np.ndarray, mean: np.ndarray, xs: list[torch.Tensor]) -> list[np.ndarray]:
+    flat = (torch.cat(xs).flatten(1).numpy() - mean) @ components.T
+    return np.split(flat.astype(np.float32), np.cumsum([len(x) for x in xs])[:-1])
+
+
+def embed_finetuned(weights: np.ndarray, meta: dict, xs: list[torch.Tensor],
+                    gen: torch.Generator) -> list[np.ndarray]:
+    """Each client fine-tunes its own copy of the autoencoder (vectorized), then embeds."""
+    ae = ConvAE(tuple(meta["in_shape"]), meta["latent"])
+    spec = param_spec(ae)
+    ft = meta["finetune"]
+    cfg = TrainConfig(epochs=ft["epochs"], batch_size=ft["batch_size"], lr=ft["lr"],
+                      loss="mse", optimizer="adam")
+    start = torch.from_numpy(np.array(weights, dtype=np.float32)).expand(len(xs), -1)
+    tuned, _ = CohortTrainer(ae, spec).train(start, xs, [torch.zeros(len(x)) for x in xs], cfg, gen)
+    ae.eval()  # no dropout/BN in the ConvAE, but embed in eval mode regardless
+    offsets = np.cumsum((0,) + spec.numel)
+    enc = {n[len("encoder."):]: tuned[:, offsets[i]:offsets[i + 1]].view(len(xs), *spec.shapes[i])
+           for i, n in enumerate(spec.names) if n.startswith("encoder.")}
+    xpad, lengths = _pad(xs)
+    with torch.no_grad():
+        z = vmap(lambda p, x: functional_call(ae.encoder, p, (x,)))(enc, xpad)
+    return [z[i, : int(n)].numpy() for i, n in enumerate(lengths)]
+
+
+def centroids(emb: np.ndarray, k, seed: int, k_max: int = 10) -> np.ndarray:
+    """k-means centroids of one client's embeddings (seeded).
+
+    k = "auto" picks k in 2..k_max by silhouette score of the client's own embeddings
+    (never from labels)."""
+    n = len(emb)
+    if k == "auto":
+        k = _auto_k(emb, seed, min(k_max, n - 1))
+    k = max(1, min(int(k), n))
+    km = KMeans(n_clusters=k, n_init=10, random_state=seed).fit(emb)
+    return km.cluster_centers_.astype(np.float32)
+
+
+def _auto_k(emb, seed, k_max):
+    if k_max < 2:
+        return 1
+    scores = {}
+    for k in range(2, k_max + 1):
+        labels = KMeans(n_clusters=k, n_init=4, random_state=seed).fit_predict(emb)
+        if len(set(labels)) > 1:
+            scores[k] = silhouette_score(emb, labels, random_state=seed)
+    return max(scores, key=scores.get) if scores else 1

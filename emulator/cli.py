@@ -1,0 +1,71 @@
+"""The `flt` command line."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from scenarios.schema import ConfigError
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="flt", description="Federated-learning edge emulator for non-IID data (FLT and baselines).")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    run = sub.add_parser("run", help="run a scenario file")
+    _scenario_args(run)
+
+    cmp_ = sub.add_parser("compare", help="run several methods on the same partition, weights and draws")
+    _scenario_args(cmp_)
+    cmp_.add_argument("--methods", required=True,
+                      help="comma-separated method names, e.g. fedavg,flt,ifca")
+
+    dev = sub.add_parser("device", help="run a device process by hand against a server address")
+    dev.add_argument("--connect", required=True, help="server address, e.g. tcp://HOST:5555")
+    dev.add_argument("--name", help="device id (default host-pid); unique per server")
+    dev.add_argument("--data-root", help="where this host keeps the dataset")
+    dev.add_argument("--threads", type=int, default=1)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.cmd != "device" else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.cmd == "device":
+        from devices.device import Device
+
+        return Device(args.connect, args.name, args.data_root, args.threads).run()
+    return _run(args)
+
+
+def _scenario_args(p):
+    p.add_argument("scenario", help="scenario YAML file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set train.rounds=5 (repeatable)")
+    p.add_argument("--out", help="run folder (default: <output>/<name>-<time>)")
+
+
+def _run(args) -> int:
+    from emulator import config
+    from emulator.run import run_scenario
+
+    overrides = list(args.set)
+    if args.cmd == "compare":
+        names = [m.strip() for m in args.methods.split(",") if m.strip()]
+        overrides.append(f"methods=[{', '.join(names)}]")
+    try:
+        cfg = config.load(args.scenario, overrides)
+        run_scenario(cfg, args.out)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: results so far are in the run folder", file=sys.stderr)
+        return 130
+    except (FileNotFoundError, TimeoutError, RuntimeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

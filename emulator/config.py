@@ -1,0 +1,144 @@
+"""The scenario file: its schema, loading, `--set` overrides and validation.
+
+A scenario is validated in full before anything starts; the first problem stops the
+run with a message naming the file and the field (e.g. `train.lr`).
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+from scenarios.datasets import DATASETS
+from scenarios.schema import ConfigError, Field, MethodSpec, section, validate
+from server.strategies import STRATEGIES
+
+DATA = {
+    "dataset": Field(str, "digits", "dataset name", choices=DATASETS),
+    "root": Field(str, None, "data root holding the dataset's files (not needed for digits)", nullable=True),
+    "download": Field(bool, False, "let torchvision download missing files (needs internet)"),
+}
+
+PARTITION = {
+    "kind": Field(str, "clusters", "how clients get data",
+                  choices=("clusters", "dirichlet", "structured", "writers")),
+    "clients": Field(int, 20, "number of clients M", min=1),
+    "clusters": Field(int, 5, "number of planted clusters C", min=1),
+    "classes_per_cluster": Field(int, 2, "classes held by each cluster", min=1),
+    "shared_classes": Field(int, 0, "classes a cluster shares with its neighbour (S2: 1)", min=0),
+    "samples_per_client": Field(int, 600, "training samples per client", min=1),
+    "test_per_client": Field(int, 100, "test samples per client, from its own classes", min=1),
+    "on_short": Field(str, "take", "when a class has too few images: take what exists, or fail",
+                      choices=("take", "fail")),
+    "alpha": Field(float, 0.5, "Dirichlet concentration / structured size offset", min=0, open_min=True),
+    "delta": Field(float, 0.5, "structured quantity-skew exponent", min=0),
+    "public_fraction": Field(float, 0.0, "fraction of the train split held out from clients as a "
+                             "public set (encoder / PCA pretraining)", min=0.0, max=0.9),
+}
+
+TRAIN = {
+    "rounds": Field(int, 100, "communication rounds T", min=1),
+    "participation": Field(float, 0.2, "fraction rho of clients selected per round", min=0, max=1, open_min=True),
+    "local_epochs": Field(int, 1, "local epochs E", min=1),
+    "batch_size": Field(int, 10, "local batch size B", min=1),
+    "lr": Field(float, 0.01, "local SGD learning rate", min=0, open_min=True),
+    "eval_every": Field(int, 1, "evaluate every n rounds (and at the last)", min=1),
+    "target_accuracy": Field(float, None, "accuracy (%) for rounds/bytes-to-target", nullable=True, min=0, max=100),
+    "vectorize": Field(bool, True, "train a device's cohort in one vmapped call"),
+}
+
+DEVICES = {
+    "processes": Field(int, None, "device processes (default: CPU cores)", nullable=True, min=1),
+    "threads": Field(int, 1, "torch threads per device process", min=1),
+    "round_timeout_s": Field(float, 120.0, "a round's replies are awaited this long", min=0, open_min=True),
+    "start_timeout_s": Field(float, 120.0, "devices must connect within this", min=0, open_min=True),
+    "crash": Field(dict, {}, "fault injection: {device index: round} kills that device process "
+                   "when that round's training tasks arrive"),
+}
+
+SCENARIO = {
+    "name": Field(str, "scenario", "a label for the run"),
+    "seed": Field(int, 0, "seeds partition, sampling, initial weights, k-means, UMAP", min=0),
+    "data": section(DATA, "the dataset"),
+    "partition": section(PARTITION, "how the data is split into clients"),
+    "model": Field(str, "mlp", "client model", choices=("mlp", "leaf_cnn", "cifar_cnn")),
+    "train": section(TRAIN, "local training and rounds"),
+    "devices": section(DEVICES, "device processes"),
+    "methods": Field(list, ["fedavg"], "methods to run, names or {name: ..., params}"),
+    "output": Field(str, "runs", "folder under which run folders are made"),
+}
+
+
+def load(path: str | Path, overrides: list[str] = ()) -> dict:
+    """Read, override and validate a scenario; raise ConfigError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: scenario file not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of fields")
+    try:
+        for item in overrides:
+            apply_override(raw, item)
+        return resolve(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """`--set train.lr=0.05`: the value is parsed as YAML (numbers, lists, null)."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value")
+    key, value = item.split("=", 1)
+    node, parts = raw, key.strip().split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {p} is not a section")
+    node[parts[-1]] = yaml.safe_load(value)
+
+
+def resolve(raw: dict) -> dict:
+    cfg = validate(copy.deepcopy(raw), SCENARIO)
+    cfg["methods"] = [m.__dict__ for m in parse_methods(cfg["methods"])]
+    for dev, rnd in cfg["devices"]["crash"].items():
+        if not (isinstance(dev, int) and isinstance(rnd, int) and rnd >= 1):
+            raise ConfigError(f"devices.crash: expected {{device index: round}}, got {dev!r}: {rnd!r}")
+    p = cfg["partition"]
+    if p["kind"] in ("clusters", "structured") and p["classes_per_cluster"] <= p["shared_classes"]:
+        raise ConfigError("partition.shared_classes: must be smaller than partition.classes_per_cluster")
+    if cfg["data"]["dataset"] != "digits" and not cfg["data"]["root"] and not cfg["data"]["download"]:
+        raise ConfigError(f"data.root: dataset {cfg['data']['dataset']!r} needs a data root "
+                          "(or data.download: true on a machine with internet)")
+    return cfg
+
+
+def parse_methods(entries: list) -> list[MethodSpec]:
+    if not entries:
+        raise ConfigError("methods: list at least one method")
+    specs, labels = [], set()
+    for i, entry in enumerate(entries):
+        where = f"methods[{i}]"
+        if isinstance(entry, str):
+            entry = {"name": entry}
+        if not isinstance(entry, dict) or "name" not in entry:
+            raise ConfigError(f"{where}: expected a method name or a mapping with 'name'")
+        entry = dict(entry)
+        name, label = entry.pop("name"), entry.pop("label", None)
+        if name not in STRATEGIES:
+            raise ConfigError(f"{where}.name: unknown method {name!r}; known: {', '.join(STRATEGIES)}")
+        params = validate(entry, STRATEGIES[name].PARAMS, f"{where}({name})")
+        spec = MethodSpec(name, params, label or name)
+        if spec.label in labels:
+            raise ConfigError(f"{where}: method label {spec.label!r} appears twice; give one a 'label'")
+        labels.add(spec.label)
+        specs.append(spec)
+    return specs
+
+
+def dump(cfg: dict) -> str:
+    return yaml.safe_dump(cfg, sort_keys=False)

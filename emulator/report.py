@@ -1,0 +1,119 @@
+"""Results a person can open: summary.json, a printed table, convergence plots."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from server.transport import Transport
+
+
+def method_summary(spec: dict, history: list[dict], strategy, transport: Transport,
+                   model_bytes: int, cfg: dict) -> dict:
+    evals = [r for r in history if "acc_mean" in r]
+    last = evals[-1] if evals else {}
+    best = max(evals, key=lambda r: r["acc_mean"]) if evals else {}
+    totals = transport.ledger.totals()
+    selections = sum(r["selected"] for r in history)
+    payload = {d: {k: v["payload"] for k, v in totals[d].items()} for d in totals}
+    overhead = {d: sum(v["overhead"] for v in totals[d].values()) for d in totals}
+    expected = strategy.expected_bytes(selections, model_bytes)
+    # the paper's formulas count training traffic only: model, encoder and embedding payload
+    measured = sum(payload[d][k] for d in payload for k in ("model", "encoder", "embedding"))
+    out = {
+        "method": spec["name"], "label": spec["label"], "params": spec["params"],
+        "final_accuracy": last.get("acc_mean"), "final_se": last.get("acc_se"),
+        "final_variance": last.get("acc_var"), "best_accuracy": best.get("acc_mean"),
+        "best_round": best.get("round"), "rounds": len(history),
+        "rounds_to_target": _to_target(evals, cfg["train"]["target_accuracy"]),
+        "bytes_payload": payload, "bytes_overhead": overhead,
+        "bytes_up": sum(payload["up"].values()) + overhead["up"],
+        "bytes_down": sum(payload["down"].values()) + overhead["down"],
+        "formula_payload_bytes": measured,
+        "expected": expected,
+        "rejected_messages": transport.ledger.rejected,
+        "lost_clients": transport.lost_clients().tolist(),
+        "setup_s": history[0]["setup_s"] if history else 0.0,
+        "wall_s": history[-1]["wall_s"] if history else 0.0,
+        "s_per_round": float(np.mean([r["train_s"] for r in history])) if history else 0.0,
+        "model_bytes": model_bytes, "selections": selections,
+    }
+    if expected:
+        out["bytes_vs_formula"] = measured / expected["bytes"] if expected["bytes"] else math.nan
+    out.update(strategy.summary())
+    return out
+
+
+def _to_target(evals: list[dict], target: float | None):
+    if target is None:
+        return None
+    hit = next((r for r in evals if r["acc_mean"] >= target), None)
+    if hit is None:
+        return None
+    b = hit["bytes"]
+    return {"round": hit["round"], "bytes": sum(sum(v.values()) for v in b.values())}
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    tmp = run_dir / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2, default=_jsonable))
+    tmp.replace(run_dir / "summary.json")
+
+
+def _jsonable(x):
+    if isinstance(x, (np.integer, np.floating)):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return str(x)
+
+
+def table(summary: dict) -> str:
+    head = (f"{'method':<14}{'final acc':>10}{'± s.e.':>8}{'variance':>10}{'best':>8}"
+            f"{'up MB':>10}{'down MB':>10}{'overhead MB':>12}{'vs formula':>11}{'s/round':>9}")
+    rows = [head, "-" * len(head)]
+    for label, m in summary["methods"].items():
+        ratio = m.get("bytes_vs_formula")
+        rows.append(
+            f"{label:<14}{_f(m['final_accuracy'], 10)}{_f(m['final_se'], 8)}{_f(m['final_variance'], 10)}"
+            f"{_f(m['best_accuracy'], 8)}{m['bytes_up'] / 1e6:>10.2f}{m['bytes_down'] / 1e6:>10.2f}"
+            f"{sum(m['bytes_overhead'].values()) / 1e6:>12.3f}"
+            f"{(f'{ratio:.4f}' if ratio is not None else '-'):>11}{m['s_per_round']:>9.2f}")
+    return "\n".join(rows)
+
+
+def _f(x, width: int) -> str:
+    return f"{x:>{width}.2f}" if isinstance(x, (int, float)) and x == x else f"{'-':>{width}}"
+
+
+def plot_convergence(run_dir: Path, summary: dict) -> Path:
+    """Accuracy against rounds and against bytes, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_r, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
+    for label in summary["methods"]:
+        rows = [json.loads(line) for line in (run_dir / label / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if "acc_mean" in r]
+        acc = np.array([r["acc_mean"] for r in rows])
+        se = np.array([r["acc_se"] for r in rows])
+        rnd = [r["round"] for r in rows]
+        mb = [sum(sum(v.values()) for v in r["bytes"].values()) / 1e6 for r in rows]
+        ax_r.plot(rnd, acc, label=label)
+        ax_r.fill_between(rnd, acc - se, acc + se, alpha=0.2)
+        ax_b.plot(mb, acc, label=label)
+    ax_r.set(xlabel="round", ylabel="mean client test accuracy (%)", title=summary["scenario"])
+    ax_b.set(xlabel="bytes on the wire, up + down (MB)", ylabel="mean client test accuracy (%)")
+    ax_b.set_xscale("symlog")
+    for ax in (ax_r, ax_b):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path = run_dir / "convergence.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

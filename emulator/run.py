@@ -1,0 +1,177 @@
+"""`flt run`: one scenario, end to end.
+
+Builds the partition once (saved in the run folder), starts the server socket and the
+device processes, runs every method on the same partition, initial weights and
+participation draws, and writes the results as they come: config.yaml, partition.npz,
+<method>/metrics.jsonl, summary.json, convergence.png.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from emulator import processes, report
+from emulator.config import dump
+from emulator.population import Population
+from models.flat import flatten
+from models.nets import build_model
+from models.wire import Message
+from scenarios import partition as part
+from scenarios.datasets import Dataset, load_dataset
+from server.federation import Federation, run_method
+from server.strategies import STRATEGIES
+from server.strategies.base import Context
+from server.transport import Transport
+
+log = logging.getLogger("flt.emulator")
+
+
+def make_run_dir(cfg: dict, out: str | None) -> Path:
+    if out:
+        run_dir = Path(out)
+    else:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_dir = Path(cfg["output"]) / f"{cfg['name']}-{stamp}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump(cfg))
+    return run_dir
+
+
+def load_data(cfg: dict) -> tuple[Dataset, Dataset]:
+    d = cfg["data"]
+    return (load_dataset(d["dataset"], d["root"], train=True, download=d["download"]),
+            load_dataset(d["dataset"], d["root"], train=False, download=d["download"]))
+
+
+def hold_out_public(cfg: dict, n_train: int) -> np.ndarray:
+    """Indices of the train split kept away from every client (the public set)."""
+    frac = cfg["partition"]["public_fraction"]
+    rng = np.random.default_rng([cfg["seed"], 0x9B])
+    return np.sort(rng.choice(n_train, size=int(frac * n_train), replace=False))
+
+
+def build_partition(cfg: dict, train: Dataset, test: Dataset, public: np.ndarray) -> part.Partition:
+    p = cfg["partition"]
+    rng = np.random.default_rng([cfg["seed"], 0xDA7A])
+    common = dict(test_per_client=p["test_per_client"], rng=rng, exclude=public)
+    if p["kind"] == "clusters":
+        return part.partition_clusters(
+            train.y, test.y, n_clients=p["clients"], n_clusters=p["clusters"],
+            classes_per_cluster=p["classes_per_cluster"], shared_classes=p["shared_classes"],
+            samples_per_client=p["samples_per_client"], on_short=p["on_short"], **common)
+    if p["kind"] == "dirichlet":
+        return part.partition_dirichlet(train.y, test.y, n_clients=p["clients"], alpha=p["alpha"],
+                                        samples_per_client=p["samples_per_client"], **common)
+    if p["kind"] == "structured":
+        return part.partition_structured(
+            train.y, test.y, n_clients=p["clients"], n_clusters=p["clusters"],
+            classes_per_cluster=p["classes_per_cluster"], alpha=p["alpha"], delta=p["delta"], **common)
+    if train.groups is None:
+        raise part.PartitionError(f"partition.kind: 'writers' needs a dataset with writers "
+                                  f"(femnist), not {cfg['data']['dataset']!r}")
+    return part.partition_groups(train.groups, test.groups, n_clients=p["clients"], rng=rng)
+
+
+def initial_weights(cfg: dict, train: Dataset) -> tuple[torch.Tensor, dict]:
+    """Seeded initial model: the same starting point for every method of the run."""
+    torch.manual_seed(cfg["seed"])
+    spec = {"name": cfg["model"], "in_shape": list(train.x.shape[1:]), "num_classes": train.num_classes}
+    return flatten(build_model(spec["name"], tuple(spec["in_shape"]), spec["num_classes"])), spec
+
+
+def aggregation_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def assign_clients(transport: Transport, partition: part.Partition, devices: list[str], meta: dict,
+                   timeout_s: float) -> None:
+    """Give each device a contiguous block of clients: their shard indices, never data."""
+    blocks = np.array_split(np.arange(partition.n_clients), len(devices))
+    for device, block in zip(devices, blocks):
+        tensors = {"clients": block.astype(np.int64)}
+        for name, shards in (("train", partition.train), ("test", partition.test)):
+            chosen = [shards[c] for c in block]
+            tensors[f"{name}_offsets"] = np.cumsum([0] + [len(s) for s in chosen]).astype(np.int64)
+            tensors[f"{name}_idx"] = (np.concatenate(chosen) if chosen else np.zeros(0)).astype(np.int64)
+        for c in block:
+            transport.client_device[int(c)] = device
+        transport.send(device, Message("assign", meta=meta, tensors=tensors))
+    waiting, deadline = set(devices), time.monotonic() + timeout_s
+    while waiting:
+        got = transport.recv(max(0.0, deadline - time.monotonic()))
+        if got is None:
+            raise TimeoutError(f"devices {sorted(waiting)} did not load their shards within {timeout_s:.0f} s")
+        device, msg = got
+        if msg.kind == "error":
+            raise RuntimeError(f"device {device} could not load its clients: {msg.meta.get('reason')}")
+        if msg.kind == "ready":
+            waiting.discard(device)
+
+
+def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
+    run_dir = make_run_dir(cfg, out)
+    progress(f"run folder: {run_dir}")
+    train, test = load_data(cfg)
+    public = hold_out_public(cfg, len(train.y))
+    partition = build_partition(cfg, train, test, public)
+    partition.save(run_dir / "partition.npz")
+    np.save(run_dir / "public_indices.npy", public)
+    for note in partition.notes:
+        progress(f"partition: {note}")
+    init, model_spec = initial_weights(cfg, train)
+    n_proc = cfg["devices"]["processes"] or os.cpu_count() or 1
+    n_proc = min(n_proc, partition.n_clients)
+    transport = Transport()
+    fleet = processes.DeviceFleet(transport.endpoint, run_dir / "logs", cfg["devices"]["threads"],
+                                  cfg["devices"]["crash"])
+    transport.alive = fleet.alive
+    summary: dict = {"scenario": cfg["name"], "run_dir": str(run_dir), "methods": {},
+                     "partition_notes": partition.notes}
+    try:
+        fleet.start(n_proc)
+        devices = fleet.wait(transport, cfg["devices"]["start_timeout_s"])
+        meta = {"dataset": {"name": cfg["data"]["dataset"], "root": _abs(cfg["data"]["root"]),
+                            "download": cfg["data"]["download"]}, "model": model_spec}
+        assign_clients(transport, partition, devices, meta, cfg["devices"]["start_timeout_s"])
+        progress(f"{len(devices)} device processes host {partition.n_clients} clients")
+        ctx = Context(init=init, n_clients=partition.n_clients,
+                      n_train=np.array([len(t) for t in partition.train]),
+                      device=aggregation_device(), seed=cfg["seed"], run_dir=run_dir,
+                      truth=partition.cluster, train=cfg["train"], scenario=cfg, public=public)
+        fed = Federation(transport, cfg["train"], cfg["seed"], cfg["devices"]["round_timeout_s"], ctx.device)
+        for spec in cfg["methods"]:
+            summary["methods"][spec["label"]] = run_one(spec, ctx, fed, transport, cfg, run_dir, progress)
+            report.write_summary(run_dir, summary)
+        report.plot_convergence(run_dir, summary)
+        progress(report.table(summary))
+    finally:
+        transport.close()
+        fleet.stop()
+        summary["device_exit_codes"] = fleet.exit_codes()
+        report.write_summary(run_dir, summary)
+    return run_dir
+
+
+def run_one(spec: dict, ctx: Context, fed: Federation, transport: Transport, cfg: dict,
+            run_dir: Path, progress) -> dict:
+    transport.ledger.reset()
+    transport.broadcast(Message("reset", tensors={"init": ctx.init.numpy()}))
+    ctx.run_dir = run_dir / spec["label"]
+    ctx.run_dir.mkdir(parents=True, exist_ok=True)
+    strategy = STRATEGIES[spec["name"]](ctx, **spec["params"])
+    population = Population(ctx.n_clients, cfg["train"]["participation"], cfg["seed"])
+    progress(f"== {spec['label']} ==")
+    history = run_method(strategy, fed, population, cfg["train"]["rounds"], cfg["train"]["eval_every"],
+                         ctx.run_dir, progress)
+    return report.method_summary(spec, history, strategy, transport, ctx.init.numel() * 4, cfg)
+
+
+def _abs(root: str | None) -> str | None:
+    return str(Path(root).expanduser().resolve()) if root else None

@@ -1,0 +1,92 @@
+"""The encoder's life on the server: public data, pretraining, cache, export.
+
+The ConvAE is pretrained (MSE, Adam) on a public set that holds none of the clients'
+training images: either the scenario's own held-out public split
+(`partition.public_fraction`) or another dataset (e.g. Fashion-MNIST for MNIST: Enc2).
+Trained weights are cached under a key made of everything that determines them: the
+exact image bytes, the architecture and every training hyperparameter.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from models.autoencoder import ConvAE
+from scenarios.datasets import load_dataset
+
+log = logging.getLogger("flt.server")
+
+
+def public_images(source: dict, scenario: dict, public_idx: np.ndarray | None) -> np.ndarray:
+    """uint8 [N, C, H, W] images the encoder may learn from (never client training data)."""
+    data = scenario["data"]
+    if source["dataset"] == "public":
+        if public_idx is None or len(public_idx) == 0:
+            raise ValueError("encoder.dataset: 'public' needs partition.public_fraction > 0 "
+                             "(a held-out slice of the train split no client receives)")
+        return load_dataset(data["dataset"], data["root"], train=True).x[public_idx]
+    if source["dataset"] == data["dataset"]:
+        raise ValueError(f"encoder.dataset: {source['dataset']!r} is the clients' own dataset; "
+                         "use 'public' (the held-out slice) so no client training image is seen")
+    root = source.get("root") or data["root"]
+    return load_dataset(source["dataset"], root, train=True).x
+
+
+def cache_key(images: np.ndarray, settings: dict) -> str:
+    h = hashlib.sha256()
+    h.update(np.ascontiguousarray(images).tobytes())
+    h.update(json.dumps({**settings, "shape": list(images.shape), "arch": "ConvAE-v1"},
+                        sort_keys=True).encode())
+    return h.hexdigest()[:24]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FLT_CACHE", Path.home() / ".cache" / "flt")) / "encoders"
+
+
+def pretrained_autoencoder(images: np.ndarray, settings: dict, device: torch.device,
+                           progress=print) -> tuple[ConvAE, dict]:
+    """Load from cache or pretrain; returns the model (eval mode, CPU) and a report."""
+    key = cache_key(images, settings)
+    path = cache_dir() / f"convae-{key}.pt"
+    ae = ConvAE(tuple(images.shape[1:]), settings["latent"])
+    if path.exists():
+        ae.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return ae.eval(), {"cache": str(path), "cached": True, "seconds": 0.0}
+    tic = time.perf_counter()
+    loss = pretrain(ae, images, settings, device, progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(ae.state_dict(), tmp)
+    tmp.replace(path)
+    return ae.eval(), {"cache": str(path), "cached": False, "seconds": time.perf_counter() - tic,
+                       "final_mse": loss}
+
+
+def pretrain(ae: ConvAE, images: np.ndarray, s: dict, device: torch.device, progress=print) -> float:
+    torch.manual_seed(s["seed"])
+    gen = torch.Generator().manual_seed(s["seed"])
+    ae.to(device).train()
+    x = torch.from_numpy(images).to(device)
+    opt = torch.optim.Adam(ae.parameters(), lr=s["lr"])
+    loss = torch.tensor(0.0)
+    for epoch in range(s["epochs"]):
+        order = torch.randperm(len(x), generator=gen).to(device)
+        total = 0.0
+        for lo in range(0, len(x), s["batch_size"]):
+            batch = x[order[lo:lo + s["batch_size"]]].float() / 255
+            loss = torch.nn.functional.mse_loss(ae(batch), batch)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += float(loss) * len(batch)
+        progress(f"  encoder pretraining epoch {epoch + 1}/{s['epochs']}: mse {total / len(x):.4f}")
+    ae.cpu().eval()
+    return float(loss)

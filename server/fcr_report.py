@@ -1,0 +1,62 @@
+"""Figures and scores of a clustering: adjacency (raw and reordered), dendrogram,
+UMAP scatter, and agreement with the planted clusters when they are known."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
+
+
+def agreement(found: np.ndarray, truth: np.ndarray) -> dict:
+    """ARI and NMI of found clusters against the truth (clients with truth -1 excluded)."""
+    known = truth >= 0
+    if known.sum() < 2:
+        return {}
+    return {"ari": float(adjusted_rand_score(truth[known], found[known])),
+            "nmi": float(normalized_mutual_info_score(truth[known], found[known]))}
+
+
+def plot_fcr(out_dir: Path, adj: np.ndarray, graph: np.ndarray, z: np.ndarray, order: np.ndarray,
+             points: list[np.ndarray], labels: np.ndarray, tag: str = "") -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from scipy.cluster.hierarchy import dendrogram
+
+    paths = []
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    for ax, mat, title in ((axes[0], adj, "A (min centroid distance)"),
+                           (axes[1], graph, "A~ (thresholded)"),
+                           (axes[2], graph[np.ix_(order, order)], "A~ reordered by the dendrogram")):
+        im = ax.imshow(mat, cmap="viridis_r" if mat is adj else "Greys", interpolation="nearest")
+        ax.set(title=title, xlabel="client", ylabel="client")
+        if mat is adj:
+            fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    paths.append(out_dir / f"adjacency{tag}.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    if len(z):
+        fig, ax = plt.subplots(figsize=(max(6, len(labels) * 0.08), 4))
+        dendrogram(z, ax=ax, no_labels=len(labels) > 60, color_threshold=None)
+        ax.set(title="Ward dendrogram of A~", ylabel="merge height")
+        fig.tight_layout()
+        paths.append(out_dir / f"dendrogram{tag}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    pts = np.concatenate(points)
+    owner = np.repeat(labels, [len(p) for p in points])
+    if pts.shape[1] >= 2:
+        sc = ax.scatter(pts[:, 0], pts[:, 1], c=owner, cmap="tab10", s=12)
+        ax.legend(*sc.legend_elements(), title="cluster", fontsize=7, loc="best")
+    ax.set(title="client centroids after UMAP, coloured by found cluster")
+    fig.tight_layout()
+    paths.append(out_dir / f"umap{tag}.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,93 @@
+"""What every strategy is: the server-side half of a federated method.
+
+A strategy never touches sockets. Each round the server asks it what the selected
+clients should receive (`train_tasks`), hands back what they returned (`aggregate`),
+and asks which model each client is evaluated with (`eval_models`). One-off work
+before round 1 (FLT's FCR, IFCA's warm-up) goes in `setup`, which may use the
+federation's `train`, `evaluate` and `embed` calls.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from scenarios.schema import Field
+
+
+@dataclass
+class Task:
+    models: torch.Tensor | None      # [K, P] candidates (K = 1 except IFCA); None: device keeps its own
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class Result:
+    model: torch.Tensor | None       # [P] on the server's device; None for device-resident models
+    n: int                           # training samples
+    meta: dict
+
+
+@dataclass
+class Context:
+    """What a strategy knows about the federation at construction time."""
+    init: torch.Tensor               # [P] initial weights (same for every method of a run)
+    n_clients: int
+    n_train: np.ndarray              # [M] training samples per client
+    device: torch.device             # where aggregation runs (CUDA when present)
+    seed: int
+    run_dir: Path
+    truth: np.ndarray                # [M] planted cluster per client, -1 where unknown
+    train: dict                      # the scenario's train section (epochs, lr, batch_size, ...)
+    scenario: dict                   # the whole resolved scenario, for strategies that need data specs
+    public: np.ndarray | None = None # train-split indices held out from clients (public set)
+
+
+class Strategy:
+    name = "base"
+    PARAMS: dict[str, Field] = {}
+
+    def __init__(self, ctx: Context, **params):
+        self.ctx, self.params = ctx, params
+
+    def setup(self, fed) -> None:
+        """One-off work before the first round."""
+
+    def train_tasks(self, rnd: int, selected: np.ndarray) -> dict[int, Task]:
+        raise NotImplementedError
+
+    def aggregate(self, rnd: int, results: dict[int, Result]) -> None:
+        raise NotImplementedError
+
+    def eval_models(self, clients: np.ndarray) -> tuple[torch.Tensor | None, np.ndarray]:
+        """(models [R, P], row of each client); models None means 'device-resident'."""
+        raise NotImplementedError
+
+    def summary(self) -> dict:
+        """Extra figures for summary.json (cluster quality, ...)."""
+        return {}
+
+    def expected_bytes(self, selections: int, model_bytes: int) -> dict | None:
+        """The paper's analytical payload figure (DESIGN.md section 6), with rho*M*T taken
+        as the number of client selections actually made over the run."""
+        return None
+
+    # -- helpers shared by the strategies -------------------------------------------------
+    def on(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.ctx.device)
+
+
+def weighted_average(models: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_i w_i x_i / sum_i w_i as one matrix product: the result does not depend on the
+    order in which clients finished (no in-place running average)."""
+    w = weights.to(models.dtype)
+    return (w / w.sum()) @ models
+
+
+def stack(results: dict[int, Result], clients) -> tuple[torch.Tensor, torch.Tensor]:
+    """Models [n, P] and sample counts [n] of `clients`, in that order."""
+    models = torch.stack([results[c].model for c in clients])
+    n = torch.tensor([float(results[c].n) for c in clients], device=models.device)
+    return models, n

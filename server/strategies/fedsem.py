@@ -1,0 +1,144 @@
+"""FedSEM / FeSEM: multi-center federated learning (Xie, Long, Zhou, Jiang, Jiang, Zhang,
+2020, "Multi-Center Federated Learning", Algorithm 1, stochastic expectation maximisation).
+
+The server keeps K centre models W~_1..W~_K and an assignment r_m of clients to centres.
+Each round, for the selected clients:
+  1. client m receives its centre W~_{r_m}, runs E local epochs of SGD and returns W_m;
+  2. E-step (re-assignment): r_m = argmin_k ||W_m - W~_k||_2   (L2 in parameter space);
+  3. M-step (centre update): W~_k = sum_{m: r_m = k} n_m W_m / sum_{m: r_m = k} n_m
+     over this round's returned clients; a centre with no returned member keeps its value.
+Both steps are vectorized: one torch.cdist [s, K] and one [K, s] x [s, P] product.
+
+Choices made where the paper leaves room:
+- Initialisation ("random_clients"): the paper initialises the centres from randomly
+  chosen clients' models. Until the first round in which at least K clients return, the
+  method is plain FedAvg on one model w^0 (nothing to pick from yet); in that round the K
+  centres are picked among the returned models k-means++-style (first uniformly, then
+  proportional to the squared distance to the nearest pick), with a numpy Generator
+  seeded from the run's seed; steps 2-3 then run on that same round's models.
+- `reassign_every` = r: every returned model is re-assigned in rounds r, 2r, ...; in other
+  rounds a client keeps its centre (clients never assigned before are always assigned).
+  r = 1 (default) is the paper's algorithm: the assignment is revisited every round.
+- A selected client never assigned yet receives the centre nearest to the global
+  average, i.e. to sum_k N_k W~_k / sum_k N_k with N_k the training samples of the
+  clients assigned to k: the centre that best represents the population as a whole.
+  The same centre is its evaluation model until it is assigned.
+
+Traffic: one model down and one up per selection, 2*rho*M*W_local*T.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from scenarios.schema import Field, validate
+from server.fcr_report import agreement
+from server.strategies.base import Result, Strategy, Task, stack, weighted_average
+
+
+class FedSEM(Strategy):
+    name = "fedsem"
+    PARAMS = {
+        "centers": Field(int, 5, "K, the number of centre models", min=1),
+        "reassign_every": Field(int, 1, "re-assign returned models to their nearest centre every this "
+                                "many rounds (1: every round, as in the paper)", min=1),
+        "init": Field(str, "random_clients", "centre initialisation: k-means++-style seeded pick among "
+                      "the first round's returned models", choices=("random_clients",)),
+    }
+
+    def __init__(self, ctx, **params):
+        super().__init__(ctx, **validate(params, self.PARAMS, self.name))
+        self.k = int(self.params["centers"])
+        self.every = int(self.params["reassign_every"])
+        self.rng = np.random.default_rng(int(ctx.seed))
+        self.global_model = self.on(ctx.init.clone())    # before the centres exist
+        self.centres: torch.Tensor | None = None         # [K, P]
+        self.assign = np.full(ctx.n_clients, -1, dtype=np.int64)
+        self.init_round: int | None = None
+        self.moves = 0                                    # re-assignments that changed centre
+
+    # -- helpers ------------------------------------------------------------------------
+    def kmeanspp(self, models: torch.Tensor) -> torch.Tensor:
+        """K rows of models picked k-means++-style (seeded)."""
+        n = len(models)
+        picks = [int(self.rng.integers(n))]
+        d2 = torch.cdist(models, models[picks[0]][None]).squeeze(1).double() ** 2
+        for _ in range(1, self.k):
+            total = float(d2.sum())
+            if total > 0:
+                p = (d2 / total).cpu().numpy()
+                nxt = int(self.rng.choice(n, p=p / p.sum()))
+            else:  # all remaining models coincide with a pick
+                rest = np.setdiff1d(np.arange(n), picks)
+                nxt = int(self.rng.choice(rest)) if len(rest) else picks[-1]
+            picks.append(nxt)
+            d2 = torch.minimum(d2, torch.cdist(models, models[nxt][None]).squeeze(1).double() ** 2)
+        return models[picks].clone()
+
+    def nearest(self, models: torch.Tensor) -> np.ndarray:
+        return torch.cdist(models, self.centres).argmin(1).cpu().numpy()
+
+    def default_centre(self) -> int:
+        """The centre nearest to the sample-weighted average of the centres."""
+        mass = np.bincount(self.assign[self.assign >= 0], weights=self.ctx.n_train[self.assign >= 0],
+                           minlength=self.k)
+        if mass.sum() == 0:
+            mass = np.ones(self.k)
+        avg = weighted_average(self.centres, torch.as_tensor(mass, device=self.centres.device))
+        return int(self.nearest(avg[None])[0])
+
+    # -- rounds -------------------------------------------------------------------------
+    def train_tasks(self, rnd: int, selected: np.ndarray) -> dict[int, Task]:
+        if self.centres is None:
+            host = self.global_model.cpu()[None]
+            return {int(c): Task(host) for c in selected}
+        host = self.centres.cpu()
+        fallback = self.default_centre()
+        rows = {int(c): int(self.assign[c]) if self.assign[c] >= 0 else fallback for c in selected}
+        return {c: Task(host[r][None]) for c, r in rows.items()}
+
+    def aggregate(self, rnd: int, results: dict[int, Result]) -> None:
+        if not results:
+            return
+        clients = sorted(results)
+        models, n = stack(results, clients)                               # [s, P], [s]
+        if self.centres is None:
+            if len(clients) < self.k:
+                self.global_model = weighted_average(models, n)
+                return
+            self.centres = self.kmeanspp(models)
+            self.init_round = int(rnd)
+        # E-step: nearest centre in L2 parameter distance
+        old = self.assign[clients]
+        redo = (old < 0) | (rnd % self.every == 0)
+        new = np.where(redo, self.nearest(models), old)
+        self.moves += int(((old >= 0) & (new != old)).sum())
+        self.assign[clients] = new
+        # M-step: per-centre sample-weighted average of this round's members
+        onehot = torch.zeros(self.k, len(clients), dtype=models.dtype, device=models.device)
+        onehot[torch.as_tensor(new, device=models.device), torch.arange(len(clients), device=models.device)] = 1
+        weights = onehot * n[None, :]
+        mass = weights.sum(1)
+        hit = mass > 0
+        centres = self.centres.clone()
+        centres[hit] = (weights[hit] / mass[hit, None]) @ models
+        self.centres = centres
+
+    def eval_models(self, clients):
+        clients = np.asarray(clients, dtype=np.int64)
+        if self.centres is None:
+            return self.global_model.cpu()[None], np.zeros(len(clients), dtype=np.int64)
+        rows = self.assign[clients].copy()
+        rows[rows < 0] = self.default_centre()
+        return self.centres.cpu(), rows
+
+    def summary(self) -> dict:
+        truth = self.ctx.truth.copy()
+        truth[self.assign < 0] = -1  # score only assigned clients
+        sizes = np.bincount(self.assign[self.assign >= 0], minlength=self.k)
+        return {"found_clusters": self.assign.tolist(), "cluster_sizes": sizes.tolist(),
+                "init_round": self.init_round, "reassignments": self.moves,
+                **agreement(self.assign, truth)}
+
+    def expected_bytes(self, selections: int, model_bytes: int) -> dict:
+        return {"formula": "2*rho*M*W_local*T", "bytes": 2 * selections * model_bytes}

@@ -1,0 +1,86 @@
+"""End to end through the real CLI: a server and device processes over loopback sockets."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
+
+
+def flt(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def fedavg_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fedavg")
+    res = flt("run", str(QUICKSTART), "--set", "methods=[fedavg]", "--set", "train.rounds=8",
+              "--set", "devices.processes=3", "--out", str(out))
+    assert res.returncode == 0, res.stderr + res.stdout
+    return out, res
+
+
+def test_fedavg_learns_over_three_device_processes(fedavg_run):
+    out, res = fedavg_run
+    m = summary(out)["methods"]["fedavg"]
+    assert m["final_accuracy"] > 30.0, m  # chance is 10 % on ten digits
+    logs = sorted(p.name for p in (out / "logs").iterdir())
+    assert logs == ["dev-0.log", "dev-1.log", "dev-2.log"]
+    assert all(code == 0 for code in summary(out)["device_exit_codes"].values())
+    assert "round   8/8" in res.stdout
+
+
+def test_fedavg_model_bytes_equal_the_formula(fedavg_run):
+    out, _ = fedavg_run
+    m = summary(out)["methods"]["fedavg"]
+    rounds, rho, clients = 8, 0.5, 20
+    w_local = m["model_bytes"]
+    assert w_local == 4 * (784 * 200 + 200 + 200 * 10 + 10)
+    model = m["bytes_payload"]["up"]["model"] + m["bytes_payload"]["down"]["model"]
+    assert model == 2 * rho * clients * w_local * rounds
+    assert m["bytes_vs_formula"] == 1.0
+    # evaluation traffic and headers are counted, but separately from the formula
+    assert m["bytes_payload"]["down"]["evaluation"] == clients * w_local * rounds
+    assert 0 < m["bytes_overhead"]["up"] < 0.01 * m["bytes_payload"]["up"]["model"]
+
+
+def test_run_folder_holds_config_partition_metrics_and_plot(fedavg_run):
+    out, _ = fedavg_run
+    for name in ("config.yaml", "partition.npz", "summary.json", "convergence.png", "fedavg/metrics.jsonl"):
+        assert (out / name).exists(), name
+    rows = [json.loads(line) for line in (out / "fedavg" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == list(range(1, 9))
+    assert all({"acc_mean", "acc_se", "acc_var", "bytes"} <= set(r) for r in rows)
+
+
+def test_same_seed_gives_the_same_run(fedavg_run, tmp_path):
+    out, _ = fedavg_run
+    res = flt("run", str(QUICKSTART), "--set", "methods=[fedavg]", "--set", "train.rounds=8",
+              "--set", "devices.processes=3", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    a = [json.loads(x)["acc_mean"] for x in (out / "fedavg" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x)["acc_mean"] for x in (tmp_path / "fedavg" / "metrics.jsonl").read_text().splitlines()]
+    assert a == b
+
+
+def test_a_device_that_dies_mid_round_does_not_hang_the_server(tmp_path):
+    res = flt("run", str(QUICKSTART), "--set", "methods=[fedavg]", "--set", "train.rounds=5",
+              "--set", "devices.processes=2", "--set", "devices.crash={1: 3}", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    s = summary(tmp_path)
+    m = s["methods"]["fedavg"]
+    assert m["lost_clients"] == list(range(10, 20))
+    assert "device dev-1 lost" in res.stderr
+    rows = [json.loads(x) for x in (tmp_path / "fedavg" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 5
+    assert rows[2]["returned"] < rows[2]["selected"]        # round 3 finished without dev-1's clients
+    assert all(r["n_eval"] == 10 for r in rows[2:])         # only dev-0's clients are evaluated after
+    assert s["device_exit_codes"]["dev-1"] == 3

@@ -1,0 +1,99 @@
+"""The wire protocol: encoding, validation of malformed frames, and a real socket."""
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from models.wire import VERSION, Message, ProtocolError, decode, encode, frame_bytes
+from server.transport import Transport
+
+
+def _header(**over):
+    h = {"v": VERSION, "kind": "update", "run": "", "round": 1, "client": 3,
+         "tensors": [{"name": "model", "dtype": "float32", "shape": [4]}], "meta": {}}
+    h.update(over)
+    return json.dumps(h).encode()
+
+
+def test_roundtrip_keeps_tensors_and_meta():
+    msg = Message("train", 7, 12, tensors={"model": np.arange(6, dtype=np.float32).reshape(2, 3),
+                                           "idx": np.array([1, 2], dtype=np.int64)}, meta={"lr": 0.01})
+    frames = encode(msg)
+    out = decode([bytes(f) for f in frames])
+    assert (out.kind, out.round, out.client, out.meta) == ("train", 7, 12, {"lr": 0.01})
+    np.testing.assert_array_equal(out.tensors["model"], msg.tensors["model"])
+    assert out.tensors["idx"].dtype == np.int64
+    payload, header = frame_bytes(frames)
+    assert payload == 6 * 4 + 2 * 8 and header == len(frames[0])
+
+
+@pytest.mark.parametrize("frames, what", [
+    ([], "empty"),
+    ([b"\xff\xfe not json"], "not JSON"),
+    ([b"[1, 2]"], "not a JSON object"),
+    ([_header(v=99), b"\0" * 16], "version"),
+    ([_header(kind="steal"), b"\0" * 16], "unknown message kind"),
+    ([_header(client="3"), b"\0" * 16], "client"),
+    ([_header(), b"\0" * 15], "expected 16"),
+    ([_header()], "0 frames"),
+    ([_header(tensors=[{"name": "m", "dtype": "object", "shape": [1]}]), b"\0" * 8], "dtype"),
+    ([_header(tensors=[{"name": "m", "dtype": "float32", "shape": [-1]}]), b""], "shape"),
+])
+def test_malformed_messages_are_rejected_with_a_reason(frames, what):
+    with pytest.raises(ProtocolError, match=what):
+        decode(frames)
+
+
+def test_oversized_message_is_rejected(monkeypatch):
+    import models.wire as wire
+
+    monkeypatch.setattr(wire, "MAX_MESSAGE_BYTES", 64)
+    with pytest.raises(ProtocolError, match="cap"):
+        decode([_header(tensors=[{"name": "m", "dtype": "float32", "shape": [32]}]), b"\0" * 128])
+
+
+def test_server_socket_survives_garbage_from_a_real_peer():
+    """A peer process sends malformed frames, then a valid message: the server counts
+    the bad ones, keeps running and still receives the good one."""
+    server = Transport()
+    peer = f"""
+import zmq, json, numpy as np
+from models.wire import Message, encode
+s = zmq.Context().socket(zmq.DEALER); s.setsockopt(zmq.IDENTITY, b"peer"); s.connect({server.endpoint!r})
+s.send_multipart([b"garbage"])
+s.send_multipart([json.dumps({{"v": 1, "kind": "update", "round": 1, "client": 0,
+    "tensors": [{{"name": "m", "dtype": "float32", "shape": [1000]}}], "meta": {{}}}}).encode(), b"short"])
+s.send_multipart(encode(Message("hello", meta={{"name": "peer"}})))
+s.close(linger=2000)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", peer])
+    try:
+        got = server.recv(timeout_s=20)
+        assert got is not None
+        ident, msg = got
+        assert (ident, msg.kind) == ("peer", "hello")
+        assert server.ledger.rejected == 2
+    finally:
+        proc.wait(timeout=20)
+        server.sock.close(linger=0)
+
+
+def test_message_for_a_client_the_device_does_not_host_is_rejected():
+    server = Transport()
+    server.client_device[5] = "dev-a"
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.IDENTITY, b"dev-b")
+    s.connect(server.endpoint)
+    try:
+        s.send_multipart(encode(Message("update", 1, 5, tensors={"model": np.zeros(3, np.float32)})))
+        s.send_multipart(encode(Message("hello")))
+        ident, msg = server.recv(timeout_s=10)
+        assert msg.kind == "hello" and server.ledger.rejected == 1
+    finally:
+        s.close(linger=0)
+        server.sock.close(linger=0)
