@@ -48,12 +48,11 @@ def _run(args) -> int:
     from emulator import config
     from emulator.run import run_scenario
 
-    overrides = list(args.set)
+    methods = None
     if args.cmd == "compare":
-        names = [m.strip() for m in args.methods.split(",") if m.strip()]
-        overrides.append(f"methods=[{', '.join(names)}]")
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
-        cfg = config.load(args.scenario, overrides)
+        cfg = config.load(args.scenario, args.set, methods)
         run_scenario(cfg, args.out)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -70,8 +70,11 @@ SCENARIO = {
 }
 
 
-def load(path: str | Path, overrides: list[str] = ()) -> dict:
-    """Read, override and validate a scenario; raise ConfigError naming the file."""
+def load(path: str | Path, overrides: list[str] = (), methods: list[str] | None = None) -> dict:
+    """Read, override and validate a scenario; raise ConfigError naming the file.
+
+    `methods` (flt compare) keeps the scenario's entries of those names, with their
+    parameters and labels, and adds a default entry for a name the scenario lacks."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: scenario file not found")
@@ -84,6 +87,8 @@ def load(path: str | Path, overrides: list[str] = ()) -> dict:
     try:
         for item in overrides:
             apply_override(raw, item)
+        if methods is not None:
+            raw["methods"] = select_methods(raw.get("methods") or [], methods)
         return resolve(raw)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
@@ -115,6 +120,18 @@ def resolve(raw: dict) -> dict:
         raise ConfigError(f"data.root: dataset {cfg['data']['dataset']!r} needs a data root "
                           "(or data.download: true on a machine with internet)")
     return cfg
+
+
+def select_methods(entries: list, names: list[str]) -> list:
+    if not names:
+        raise ConfigError("--methods: name at least one method")
+    named = [(e if isinstance(e, str) else e.get("name") if isinstance(e, dict) else None, e) for e in entries]
+    chosen = []
+    for name in names:
+        if name not in STRATEGIES:
+            raise ConfigError(f"--methods: unknown method {name!r}; known: {', '.join(STRATEGIES)}")
+        chosen += [e for n, e in named if n == name] or [name]
+    return chosen
 
 
 def parse_methods(entries: list) -> list[MethodSpec]:

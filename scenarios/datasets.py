@@ -25,7 +25,8 @@ Supported names (``DATASETS``):
 ``femnist``
     LEAF JSON (``root/train/*.json``, ``root/test/*.json``); the writer of every sample is
     returned in ``groups`` (index into the sorted list of all writer ids, the same in
-    train and test) so writers can become natural clients.
+    train and test) so writers can become natural clients. Pixels are inverted to bright
+    ink on black, the convention of MNIST and EMNIST (LEAF stores dark ink on white).
 
 Caches (decoded ``.npz`` arrays) live in ``$FLT_CACHE`` (default
 ``~/.cache/flt``). Cache keys include the source's path, size and mtime (all files for
@@ -575,7 +576,7 @@ def _load_femnist(root: Path | None, train: bool, download: bool) -> Dataset:
             f"and {root / 'test'}/*.json){hint}"
         )
     stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in tr_files + te_files]
-    npz = cache_dir() / "femnist" / f"{_key('femnist', stats)}.npz"
+    npz = cache_dir() / "femnist" / f"{_key('femnist-v2', stats)}.npz"
     if not npz.is_file():
         # Parsing ~80 MB of JSON takes seconds; do it once for both splits, since the
         # writer index must be shared by train and test.
@@ -598,7 +599,9 @@ def _load_femnist(root: Path | None, train: bool, download: bool) -> Dataset:
         arrays = {"group_names": np.array(all_users, dtype=str)}
         for part, (xs, ys, users) in parsed.items():
             x = np.concatenate(xs)
-            arrays[f"x_{part}"] = np.clip(np.rint(x * 255.0), 0, 255).astype(np.uint8)[:, None]
+            # LEAF stores ink dark on a white (1.0) page; invert to MNIST/EMNIST's bright ink,
+            # so encoders and models see one convention across handwriting datasets
+            arrays[f"x_{part}"] = np.clip(np.rint((1.0 - x) * 255.0), 0, 255).astype(np.uint8)[:, None]
             arrays[f"y_{part}"] = np.concatenate(ys)
             arrays[f"g_{part}"] = np.repeat(
                 np.array([lookup[u] for u, _ in users], dtype=np.int64), [n for _, n in users]

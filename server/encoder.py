@@ -86,7 +86,7 @@ def pretrain(ae: ConvAE, images: np.ndarray, s: dict, device: torch.device, prog
             opt.zero_grad()
             loss.backward()
             opt.step()
-            total += float(loss) * len(batch)
+            total += float(loss.detach()) * len(batch)
         progress(f"  encoder pretraining epoch {epoch + 1}/{s['epochs']}: mse {total / len(x):.4f}")
     ae.cpu().eval()
     return float(loss)
