@@ -109,6 +109,7 @@ class Device:
         root = self.data_root or spec["dataset"].get("root")
         train = self._dataset(spec["dataset"]["name"], root, True, spec["dataset"].get("download", False))
         test = self._dataset(spec["dataset"]["name"], root, False, spec["dataset"].get("download", False))
+        self.splits = (train, test)
         for cid, tr, te in zip(t["clients"], _split(t, "train"), _split(t, "test")):
             self.shards[int(cid)] = _shard(train, test, tr, te)
         m = spec["model"]
@@ -132,11 +133,16 @@ class Device:
         self.pending.clear()
 
     def on_drift(self, msg: Message) -> None:
-        """Emulated data drift: the client's shard is replaced, and it raises its flag."""
-        train = self._dataset(*msg.meta["dataset"], True, False)
-        test = self._dataset(*msg.meta["dataset"], False, False)
+        """Emulated data drift: the client's shard is replaced (indices into the same
+        dataset); it raises its flag delta with its next update unless told otherwise."""
+        if msg.client not in self.shards:
+            raise KeyError(f"drift for client {msg.client}, which {self.name} does not host")
+        train, test = self.splits
         self.shards[msg.client] = _shard(train, test, msg.tensors["train"], msg.tensors["test"])
-        self.flags.add(msg.client)
+        if msg.meta.get("flag", True):
+            self.flags.add(msg.client)
+        else:
+            self.flags.discard(msg.client)
 
     # -- cohorts --------------------------------------------------------------------
     def collect(self, msg: Message) -> None:

@@ -57,6 +57,27 @@ DEVICES = {
                    "when that round's training tasks arrive"),
 }
 
+PROFILES = {
+    "trace": Field(str, None, "device trace file (CSV/JSON, see emulator/profiles.py)", nullable=True),
+    "fedscale_capacity": Field(str, None, "FedScale client_device_capacity file", nullable=True),
+    "fedscale_behave": Field(str, None, "FedScale client_behave_trace file (availability)", nullable=True),
+    "distribution": Field(dict, None, "seeded distributions: compute, network, latency_ms, availability",
+                          nullable=True),
+}
+
+POPULATION = {
+    "sampling": Field(str, "uniform", "uniform over present clients, or only those online",
+                      choices=("uniform", "available")),
+    "profiles": section(PROFILES, "device runtimes; none = no emulated clock", optional=True),
+    "deadline_s": Field(float, None, "round deadline in emulated seconds (stragglers dropped)",
+                        nullable=True, min=0, open_min=True),
+    "overcommit": Field(float, 1.0, "draw ceil(k * factor) clients, keep the k fastest", min=1.0),
+    "newcomers": Field(list, [], "[{round: r, cluster: c}] or [{round: r, clients: [ids]}]: "
+                       "clients withheld until round r, joining as a new device process"),
+    "drift": Field(list, [], "[{round: r, clients: [ids], to_cluster: c}]: each client swaps its data "
+                   "with a client of cluster c and raises its change flag"),
+}
+
 SCENARIO = {
     "name": Field(str, "scenario", "a label for the run"),
     "seed": Field(int, 0, "seeds partition, sampling, initial weights, k-means, UMAP", min=0),
@@ -65,6 +86,7 @@ SCENARIO = {
     "model": Field(str, "mlp", "client model", choices=("mlp", "leaf_cnn", "cifar_cnn")),
     "train": section(TRAIN, "local training and rounds"),
     "devices": section(DEVICES, "device processes"),
+    "population": section(POPULATION, "participation, device runtimes, arrivals and drift"),
     "methods": Field(list, ["fedavg"], "methods to run, names or {name: ..., params}"),
     "output": Field(str, "runs", "folder under which run folders are made"),
 }
@@ -110,6 +132,7 @@ def apply_override(raw: dict, item: str) -> None:
 def resolve(raw: dict) -> dict:
     cfg = validate(copy.deepcopy(raw), SCENARIO)
     cfg["methods"] = [m.__dict__ for m in parse_methods(cfg["methods"])]
+    _check_events(cfg["population"], cfg["train"]["rounds"])
     for dev, rnd in cfg["devices"]["crash"].items():
         if not (isinstance(dev, int) and isinstance(rnd, int) and rnd >= 1):
             raise ConfigError(f"devices.crash: expected {{device index: round}}, got {dev!r}: {rnd!r}")
@@ -120,6 +143,24 @@ def resolve(raw: dict) -> dict:
         raise ConfigError(f"data.root: dataset {cfg['data']['dataset']!r} needs a data root "
                           "(or data.download: true on a machine with internet)")
     return cfg
+
+
+def _check_events(pop: dict, rounds: int) -> None:
+    for kind, need in (("newcomers", ("round",)), ("drift", ("round", "clients", "to_cluster"))):
+        for i, ev in enumerate(pop[kind]):
+            where = f"population.{kind}[{i}]"
+            if not isinstance(ev, dict):
+                raise ConfigError(f"{where}: expected a mapping")
+            extra = set(ev) - set(need) - ({"cluster", "clients"} if kind == "newcomers" else set())
+            if extra:
+                raise ConfigError(f"{where}: unknown field(s) {sorted(extra)}")
+            for key in need:
+                if key not in ev:
+                    raise ConfigError(f"{where}.{key}: required field is missing")
+            if not isinstance(ev["round"], int) or not 2 <= ev["round"] <= rounds:
+                raise ConfigError(f"{where}.round: expected a round in 2..{rounds}, got {ev['round']!r}")
+            if kind == "newcomers" and ("cluster" in ev) == ("clients" in ev):
+                raise ConfigError(f"{where}: give either 'cluster' or 'clients'")
 
 
 def select_methods(entries: list, names: list[str]) -> list:

@@ -1,29 +1,160 @@
-"""Who takes part in a round: participation sampling over the clients present.
+"""Who takes part, when, and for how long: the emulated population.
 
-The draw for round t depends only on (seed, t, the clients present), so every method
-of a run sees the same participation draws.
+- Participation: each round a fraction rho of the clients present is drawn; the draw
+  depends only on (seed, round, the clients present), so every method sees the same.
+  `sampling: available` draws only among clients online at the round's start.
+- Device clock: every kept client's task takes download + compute + upload time from
+  its device profile (FedScale's model, emulator/clock.py); the round ends at the
+  slowest kept client or at the deadline; stragglers and clients whose availability
+  window closes mid-task are dropped (their bytes still count). Over-commitment draws
+  ceil(k * factor) clients and keeps the k fastest.
+- Arrivals and drift: scheduled newcomers (a planted cluster withheld until a round,
+  joining as a new device process) and drifting clients (their data swaps with a client
+  of another cluster, and they raise the flag delta). The emulator supplies the two
+  callbacks that touch processes; this class only decides what happens when.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable
+
 import numpy as np
+
+from emulator.clock import EmulatedClock, close_round, overcommit_count, task_seconds
+from emulator.profiles import Profiles
+
+
+@dataclass
+class Schedule:
+    arrivals: dict[int, np.ndarray] = field(default_factory=dict)      # round -> clients joining
+    drift: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # round -> (client, partner) swaps
 
 
 class Population:
-    def __init__(self, n_clients: int, rho: float, seed: int):
+    def __init__(self, n_clients: int, rho: float, seed: int, profiles: Profiles | None = None,
+                 schedule: Schedule | None = None, sampling: str = "uniform",
+                 deadline_s: float | None = None, overcommit: float = 1.0, batch_size: int = 10,
+                 arrive: Callable | None = None, drift: Callable | None = None):
         self.n_clients, self.rho, self.seed = n_clients, rho, seed
+        self.profiles, self.schedule = profiles, schedule or Schedule()
+        self.sampling, self.deadline_s, self.overcommit = sampling, deadline_s, overcommit
+        self.batch_size = batch_size
+        self.arrive_cb, self.drift_cb = arrive, drift
+        late = np.concatenate(list(self.schedule.arrivals.values()) or [np.zeros(0, np.int64)])
+        self.present = np.ones(n_clients, dtype=bool)
+        self.present[late.astype(np.int64)] = False
+        self.clock = EmulatedClock()
+        self.target = 0
 
+    # -- who ----------------------------------------------------------------------------
     def candidates(self, rnd: int) -> np.ndarray:
-        return np.arange(self.n_clients)
+        return np.flatnonzero(self.present)
 
     def select(self, rnd: int, candidates: np.ndarray) -> np.ndarray:
         if len(candidates) == 0:
             return candidates
-        k = max(1, int(round(self.rho * len(candidates))))
+        self.target = max(1, int(round(self.rho * len(candidates))))
+        pool = candidates
+        if self.sampling == "available" and self.profiles is not None:
+            pool = candidates[self.profiles.online(candidates, self.clock.now_s)]
+        k = min(len(pool), overcommit_count(self.target, self.overcommit))
         rng = np.random.default_rng([self.seed, rnd, 0xF1])
-        return np.sort(rng.choice(candidates, size=k, replace=False))
+        return np.sort(rng.choice(pool, size=k, replace=False)) if k else pool[:0]
 
+    # -- what changes -----------------------------------------------------------------
     def before_round(self, rnd: int, fed, strategy) -> list[dict]:
-        return []
+        events = []
+        if rnd in self.schedule.drift:
+            pairs = self.schedule.drift[rnd]
+            self.drift_cb(rnd, pairs)
+            events.append({"kind": "drift", "round": rnd, "clients": sorted({c for p in pairs for c in p})})
+        if rnd in self.schedule.arrivals:
+            clients = self.schedule.arrivals[rnd]
+            self.arrive_cb(rnd, clients)
+            self.present[clients] = True
+            fed.present = self.candidates(rnd)
+            placed = strategy.on_arrival(rnd, clients, fed)
+            events.append({"kind": "arrival", "round": rnd, "clients": clients.tolist(), **(placed or {})})
+        return events
 
+    # -- how long -----------------------------------------------------------------------
     def close_round(self, rnd: int, results: dict, fed) -> tuple[dict, dict]:
-        return results, {}
+        if self.profiles is None or not results:
+            return results, {}
+        clients = np.array(sorted(results), dtype=np.int64)
+        down = np.array([fed.round_bytes[c][0] for c in clients], dtype=np.float64)
+        up = np.array([fed.round_bytes[c][1] for c in clients], dtype=np.float64)
+        steps = np.array([results[c].meta.get("steps", 0) for c in clients], dtype=np.float64)
+        durations = task_seconds(self.profiles, clients, batch_size=self.batch_size, steps=steps,
+                                 bytes_down=down, bytes_up=up)
+        keep = self.target if self.overcommit > 1.0 else None
+        outcome = close_round(clients, durations, start_s=self.clock.now_s, deadline_s=self.deadline_s,
+                              keep=keep, online_until=self.profiles.online_until(clients, self.clock.now_s))
+        self.clock.advance(outcome.duration_s)
+        kept = {int(c): results[int(c)] for c in outcome.kept}
+        return kept, {"round_s": outcome.duration_s, "emulated_s": self.clock.now_s,
+                      "stragglers": int(len(outcome.stragglers)), "dropouts": int(len(outcome.dropouts))}
+
+
+def assign_profiles(spec: dict | None, n_clients: int, seed: int) -> Profiles | None:
+    """Device profiles for every client: from a trace file (reused cyclically when it has
+    fewer clients), a FedScale pair of files, or seeded distributions."""
+    from emulator import profiles as prof
+
+    if spec is None:
+        return None
+    if spec.get("trace"):
+        base = prof.load_trace(spec["trace"])
+    elif spec.get("fedscale_capacity"):
+        base = prof.import_fedscale(spec["fedscale_capacity"], spec.get("fedscale_behave"))
+    else:
+        return prof.profiles_from_distribution(n_clients, spec.get("distribution") or {},
+                                               np.random.default_rng([seed, 0xDE]))
+    return base.take(np.arange(n_clients) % len(base))
+
+
+def rounds_to_recover(history: list[dict], event_round: int, until: int | None = None,
+                      tolerance: float = 1.0) -> dict:
+    """Accuracy just before an event, its lowest point after (before the next event at
+    `until`), and how many rounds until the mean accuracy is back within `tolerance`
+    points of where it was."""
+    evals = [r for r in history if "acc_mean" in r]
+    before = [r["acc_mean"] for r in evals if r["round"] < event_round]
+    after = [r for r in evals if event_round <= r["round"] < (until or float("inf"))]
+    if not before or not after:
+        return {}
+    level = before[-1]
+    low = min(after, key=lambda r: r["acc_mean"])
+    back = next((r for r in after if r["round"] >= low["round"] and r["acc_mean"] >= level - tolerance), None)
+    b0 = sum(sum(v.values()) for v in evals[len(before) - 1]["bytes"].values())
+    return {"round": event_round, "before": level, "lowest": low["acc_mean"], "lowest_round": low["round"],
+            "rounds_to_recover": None if back is None else back["round"] - event_round,
+            "bytes_to_recover": None if back is None else
+            sum(sum(v.values()) for v in back["bytes"].values()) - b0,
+            "emulated_s_to_recover": None if back is None or "emulated_s" not in back else
+            back["emulated_s"] - evals[len(before) - 1].get("emulated_s", 0.0)}
+
+
+def schedule_from(cfg: dict, truth: np.ndarray) -> Schedule:
+    """Newcomers: the clients of a planted cluster (or listed ids) withheld until a round.
+    Drift: each listed client swaps its data with a client of the target cluster (a
+    different one per drifting client), so no sample is duplicated."""
+    pop = cfg.get("population") or {}
+    sched = Schedule()
+    for ev in pop.get("newcomers") or []:
+        ids = np.flatnonzero(truth == ev["cluster"]) if ev.get("cluster") is not None else \
+            np.asarray(ev["clients"], dtype=np.int64)
+        sched.arrivals[ev["round"]] = np.sort(ids)
+    late = set(np.concatenate(list(sched.arrivals.values())).tolist()) if sched.arrivals else set()
+    used: set[int] = set()
+    for ev in pop.get("drift") or []:
+        movers = list(ev["clients"])
+        partners = [int(c) for c in np.flatnonzero(truth == ev["to_cluster"])
+                    if int(c) not in late and int(c) not in used and int(c) not in movers]
+        if len(partners) < len(movers):
+            raise ValueError(f"population.drift round {ev['round']}: cluster {ev['to_cluster']} has "
+                             f"{len(partners)} clients free to swap with, {len(movers)} needed")
+        pairs = list(zip(movers, partners[-len(movers):]))
+        used.update(p for _, p in pairs)
+        sched.drift.setdefault(ev["round"], []).extend(pairs)
+    return sched

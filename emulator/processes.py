@@ -17,6 +17,7 @@ class DeviceFleet:
         self.endpoint, self.log_dir, self.threads = endpoint, log_dir, threads
         self.crash = crash or {}  # device index -> round at which it dies (fault injection)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.retired: dict[str, int | None] = {}
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, n: int, prefix: str = "dev") -> list[str]:
@@ -74,5 +75,15 @@ class DeviceFleet:
             except subprocess.TimeoutExpired:
                 p.kill()
 
+    def retire(self, name: str, grace_s: float = 10.0) -> None:
+        """Wait for a device told to shut down; keep its exit code."""
+        proc = self.procs.pop(name)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        self.retired[name] = proc.returncode
+
     def exit_codes(self) -> dict[str, int | None]:
-        return {n: p.poll() for n, p in self.procs.items()}
+        return {**self.retired, **{n: p.poll() for n, p in self.procs.items()}}

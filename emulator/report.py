@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from emulator.population import rounds_to_recover
 from server.transport import Transport
 
 
@@ -42,6 +43,16 @@ def method_summary(spec: dict, history: list[dict], strategy, transport: Transpo
     }
     if expected:
         out["bytes_vs_formula"] = measured / expected["bytes"] if expected["bytes"] else math.nan
+    if history and "emulated_s" in history[-1]:
+        out["emulated_s"] = history[-1]["emulated_s"]
+        out["stragglers"] = sum(r.get("stragglers", 0) for r in history)
+        out["dropouts"] = sum(r.get("dropouts", 0) for r in history)
+    changes = [e for r in history for e in r.get("events", []) if e["kind"] in ("arrival", "drift")]
+    if changes:
+        nxt = [e["round"] for e in changes[1:]] + [None]
+        out["changes"] = [{"kind": e["kind"], "clients": len(e["clients"]),
+                           **{k: e[k] for k in ("placement", "ari", "fcr_bytes") if k in e},
+                           **rounds_to_recover(history, e["round"], until)} for e, until in zip(changes, nxt)]
     out.update(strategy.summary())
     return out
 
@@ -53,7 +64,8 @@ def _to_target(evals: list[dict], target: float | None):
     if hit is None:
         return None
     b = hit["bytes"]
-    return {"round": hit["round"], "bytes": sum(sum(v.values()) for v in b.values())}
+    return {"round": hit["round"], "bytes": sum(sum(v.values()) for v in b.values()),
+            "emulated_s": hit.get("emulated_s")}
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from emulator import processes, report
 from emulator.config import dump
-from emulator.population import Population
+from emulator.population import Population, assign_profiles, schedule_from
 from models.flat import flatten
 from models.nets import build_model
 from models.wire import Message
@@ -91,9 +91,9 @@ def aggregation_device() -> torch.device:
 
 
 def assign_clients(transport: Transport, partition: part.Partition, devices: list[str], meta: dict,
-                   timeout_s: float) -> None:
-    """Give each device a contiguous block of clients: their shard indices, never data."""
-    blocks = np.array_split(np.arange(partition.n_clients), len(devices))
+                   timeout_s: float, clients: np.ndarray) -> None:
+    """Give each device a contiguous block of `clients`: their shard indices, never data."""
+    blocks = np.array_split(np.asarray(clients, dtype=np.int64), len(devices))
     for device, block in zip(devices, blocks):
         tensors = {"clients": block.astype(np.int64)}
         for name, shards in (("train", partition.train), ("test", partition.test)):
@@ -113,6 +113,53 @@ def assign_clients(transport: Transport, partition: part.Partition, devices: lis
             raise RuntimeError(f"device {device} could not load its clients: {msg.meta.get('reason')}")
         if msg.kind == "ready":
             waiting.discard(device)
+
+
+class Dynamics:
+    """The process side of arrivals and drift: newcomer device processes and shard swaps.
+    Everything is undone when a method ends, so the next method replays the same story."""
+
+    def __init__(self, transport: Transport, fleet: processes.DeviceFleet, partition: part.Partition,
+                 meta: dict, ctx: Context, cfg: dict, progress):
+        self.transport, self.fleet, self.partition, self.meta = transport, fleet, partition, meta
+        self.ctx, self.cfg, self.progress = ctx, cfg, progress
+        self.newcomer_devices: list[str] = []
+        self.swapped: list[tuple[int, int]] = []
+        self.method = 0
+
+    def arrive(self, rnd: int, clients: np.ndarray) -> None:
+        name = self.fleet.start(1, prefix=f"new-m{self.method}-r{rnd}")[0]
+        self.fleet.wait(self.transport, self.cfg["devices"]["start_timeout_s"])
+        assign_clients(self.transport, self.partition, [name], self.meta,
+                       self.cfg["devices"]["start_timeout_s"], clients)
+        self.newcomer_devices.append(name)
+        self.progress(f"round {rnd}: {len(clients)} newcomers joined on new device process {name}")
+
+    def drift(self, rnd: int, pairs: list[tuple[int, int]]) -> None:
+        for a, b in pairs:
+            self._swap(a, b, flag=True)
+            self.swapped.append((a, b))
+        self.progress(f"round {rnd}: data drift, swapped shards of {pairs}")
+
+    def _swap(self, a: int, b: int, flag: bool) -> None:
+        p = self.partition
+        p.train[a], p.train[b] = p.train[b], p.train[a]
+        p.test[a], p.test[b] = p.test[b], p.test[a]
+        self.ctx.truth[[a, b]] = self.ctx.truth[[b, a]]
+        for c in (a, b):
+            self.transport.send(self.transport.client_device[c], Message(
+                "drift", client=c, meta={"flag": flag}, tensors={"train": p.train[c], "test": p.test[c]}))
+
+    def undo(self) -> None:
+        for a, b in reversed(self.swapped):
+            self._swap(a, b, flag=False)
+        self.swapped.clear()
+        for name in self.newcomer_devices:
+            self.transport.send(name, Message("shutdown"))
+            self.fleet.retire(name)
+            self.transport.forget(name)
+        self.newcomer_devices.clear()
+        self.method += 1
 
 
 def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
@@ -139,15 +186,26 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
         devices = fleet.wait(transport, cfg["devices"]["start_timeout_s"])
         meta = {"dataset": {"name": cfg["data"]["dataset"], "root": _abs(cfg["data"]["root"]),
                             "download": cfg["data"]["download"]}, "model": model_spec}
-        assign_clients(transport, partition, devices, meta, cfg["devices"]["start_timeout_s"])
-        progress(f"{len(devices)} device processes host {partition.n_clients} clients")
+        schedule = schedule_from(cfg, partition.cluster)
+        late = np.concatenate(list(schedule.arrivals.values())) if schedule.arrivals else np.zeros(0, np.int64)
+        first = np.setdiff1d(np.arange(partition.n_clients), late)
+        assign_clients(transport, partition, devices, meta, cfg["devices"]["start_timeout_s"], first)
+        progress(f"{len(devices)} device processes host {len(first)} clients"
+                 + (f"; {len(late)} newcomers arrive later" if len(late) else ""))
         ctx = Context(init=init, n_clients=partition.n_clients,
                       n_train=np.array([len(t) for t in partition.train]),
                       device=aggregation_device(), seed=cfg["seed"], run_dir=run_dir,
-                      truth=partition.cluster, train=cfg["train"], scenario=cfg, public=public)
+                      truth=partition.cluster.copy(), train=cfg["train"], scenario=cfg, public=public)
         fed = Federation(transport, cfg["train"], cfg["seed"], cfg["devices"]["round_timeout_s"], ctx.device)
+        dynamics = Dynamics(transport, fleet, partition, meta, ctx, cfg, progress)
+        profiles = assign_profiles(cfg["population"]["profiles"], partition.n_clients, cfg["seed"])
         for spec in cfg["methods"]:
-            summary["methods"][spec["label"]] = run_one(spec, ctx, fed, transport, cfg, run_dir, progress)
+            population = make_population(cfg, ctx, schedule, profiles, dynamics)
+            try:
+                summary["methods"][spec["label"]] = run_one(spec, ctx, fed, transport, population, cfg,
+                                                            run_dir, progress)
+            finally:
+                dynamics.undo()
             report.write_summary(run_dir, summary)
         report.plot_convergence(run_dir, summary)
         progress(report.table(summary))
@@ -159,14 +217,21 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
     return run_dir
 
 
-def run_one(spec: dict, ctx: Context, fed: Federation, transport: Transport, cfg: dict,
-            run_dir: Path, progress) -> dict:
+def make_population(cfg: dict, ctx: Context, schedule, profiles, dynamics: Dynamics) -> Population:
+    pop = cfg["population"]
+    return Population(ctx.n_clients, cfg["train"]["participation"], cfg["seed"], profiles=profiles,
+                      schedule=schedule, sampling=pop["sampling"], deadline_s=pop["deadline_s"],
+                      overcommit=pop["overcommit"], batch_size=cfg["train"]["batch_size"],
+                      arrive=dynamics.arrive, drift=dynamics.drift)
+
+
+def run_one(spec: dict, ctx: Context, fed: Federation, transport: Transport, population: Population,
+            cfg: dict, run_dir: Path, progress) -> dict:
     transport.ledger.reset()
     transport.broadcast(Message("reset", tensors={"init": ctx.init.numpy()}))
     ctx.run_dir = run_dir / spec["label"]
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     strategy = STRATEGIES[spec["name"]](ctx, **spec["params"])
-    population = Population(ctx.n_clients, cfg["train"]["participation"], cfg["seed"])
     progress(f"== {spec['label']} ==")
     history = run_method(strategy, fed, population, cfg["train"]["rounds"], cfg["train"]["eval_every"],
                          ctx.run_dir, progress)

@@ -31,6 +31,8 @@ class Federation:
         self.transport, self.cfg, self.seed = transport, train_cfg, seed
         self.timeout_s, self.device = timeout_s, device
         self.method = ""
+        self.present = np.zeros(0, dtype=np.int64)       # clients in the population now
+        self.round_bytes: dict[int, tuple[int, int]] = {}  # client -> (down, up) payload this round
 
     def _seed(self, rnd: int, salt: int = 0) -> int:
         return (self.seed * 7919 + rnd * 104_729 + salt) % (2 ** 31)
@@ -43,6 +45,8 @@ class Federation:
             tensors = {} if t.models is None else {"model": t.models.detach().cpu().numpy()}
             msgs[c] = Message("train", rnd, c, tensors=tensors, meta={**base, **t.meta})
         replies = self.transport.gather(msgs, "update", self.timeout_s)
+        self.round_bytes = {c: (sum(t.nbytes for t in msgs[c].tensors.values()),
+                                sum(t.nbytes for t in r.tensors.values())) for c, r in replies.items()}
         return {c: Result(self._tensor(r, "model"), int(r.meta["n"]), r.meta) for c, r in replies.items()}
 
     def _tensor(self, msg: Message, name: str):
@@ -88,6 +92,7 @@ def run_method(strategy: Strategy, fed: Federation, population, rounds: int, eva
     transport, history = fed.transport, []
     fed.method = strategy.name
     tic = time.perf_counter()
+    fed.present = population.candidates(0)
     strategy.setup(fed)
     setup_s = time.perf_counter() - tic
     with open(out_dir / "metrics.jsonl", "w") as sink:
@@ -95,11 +100,13 @@ def run_method(strategy: Strategy, fed: Federation, population, rounds: int, eva
             r_tic = time.perf_counter()
             events = population.before_round(rnd, fed, strategy)
             candidates = np.setdiff1d(population.candidates(rnd), transport.lost_clients())
+            fed.present = candidates
             selected = population.select(rnd, candidates)
             tasks = strategy.train_tasks(rnd, selected)
             results = fed.train(rnd, tasks)
             results, clock = population.close_round(rnd, results, fed)
             strategy.aggregate(rnd, results)
+            events += strategy.maintain(rnd, fed)
             record = {"method": strategy.name, "round": rnd, "selected": int(len(selected)),
                       "returned": int(len(results)), "events": events, **clock}
             if rnd % eval_every == 0 or rnd == rounds:

@@ -213,6 +213,12 @@ class Transport:
         log.error("device %s lost (%s); continuing without its %d clients %s", device, why,
                   len(lost), _ranges(lost))
 
+    def forget(self, device: str) -> None:
+        """A device that left on purpose (a method's newcomers): its clients are unhosted."""
+        self.devices.pop(device, None)
+        for c in [c for c, d in self.client_device.items() if d == device]:
+            del self.client_device[c]
+
     def lost_clients(self) -> np.ndarray:
         return np.array(sorted(c for c, d in self.client_device.items() if d in self.lost_devices), dtype=np.int64)
 

@@ -300,7 +300,8 @@ def test_pca_km_hc_relate_finds_planted_groups(tmp_path):
     rng = np.random.default_rng(0)
     centres = 20 * rng.normal(size=(3, 16))
     points = [centres[t] + rng.normal(size=(5, 16)) for t in truth]
-    s.relate(points)
+    s.centroids = dict(enumerate(points))
+    s.relate(np.arange(m))
     assert s.summary()["fcr"]["ari"] == pytest.approx(1.0)
     assert s.gamma_used == pytest.approx(gamma_from_quantile(
         __import__("server.fcr", fromlist=["x"]).min_distance_adjacency(points), 0.25))

@@ -65,6 +65,14 @@ class Strategy:
         """(models [R, P], row of each client); models None means 'device-resident'."""
         raise NotImplementedError
 
+    def on_arrival(self, rnd: int, clients: np.ndarray, fed) -> dict | None:
+        """Newcomers joined before this round (their devices are connected)."""
+        return None
+
+    def maintain(self, rnd: int, fed) -> list[dict]:
+        """After aggregation: periodic or triggered work (FLT's re-clustering); returns events."""
+        return []
+
     def summary(self) -> dict:
         """Extra figures for summary.json (cluster quality, ...)."""
         return {}

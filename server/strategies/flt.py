@@ -33,6 +33,12 @@ from server import fcr
 from server.fcr_report import agreement, plot_fcr
 from server.strategies.base import Result, Strategy, Task, stack, weighted_average
 
+
+def _fcr_bytes(fed) -> int:
+    """Encoder + embedding bytes on the wire so far (to price a re-clustering)."""
+    t = fed.transport.ledger.totals()
+    return sum(t[d][k]["payload"] + t[d][k]["overhead"] for d in t for k in ("encoder", "embedding"))
+
 ENCODER = {
     "dataset": Field(str, "public", "pretraining set: 'public' (held-out slice of the train split) "
                      "or another dataset's name (Enc2, e.g. fashion_mnist for mnist)"),
@@ -74,32 +80,47 @@ class FLT(Strategy):
         "clusters": Field((int, str), "auto", "C for Ward clustering, or 'auto' (largest dendrogram gap)",
                           rule=positive_or_auto),
         "max_clusters": Field(int, 10, "upper bound when clusters is 'auto'", min=1),
+        "newcomers": Field(str, "nearest", "place a newcomer in the cluster with the nearest mean "
+                           "embedding, or re-run FCR over everyone", choices=("nearest", "recluster")),
+        "recluster_flags": Field(int, None, "lambda: re-run FCR when more than this many clients raised "
+                                 "their data-change flag (null: never)", nullable=True, min=0),
+        "recluster_every": Field(int, None, "tau: re-run FCR every tau rounds (null: never)",
+                                 nullable=True, min=1),
     }
 
     def __init__(self, ctx, **params):
         super().__init__(ctx, **params)
+        m = ctx.n_clients
         self.fcr_report: dict = {}
-        self.labels = np.zeros(ctx.n_clients, dtype=np.int64)
-        self.graph = np.eye(ctx.n_clients, dtype=np.float32)
-        self.models = self.on(ctx.init.clone())[None]  # one row per cluster (II) or client (I)
-        self.payload_bytes = 0
+        self.labels = np.zeros(m, dtype=np.int64)    # before FCR: everyone in one cluster
+        self.graph = np.ones((m, m), dtype=np.float32)
+        case2 = params["aggregation"] == "case2"
+        self.models = self.on(ctx.init.clone())[None].expand(1 if case2 else m, -1).clone()
+        self.centroids: dict[int, np.ndarray] = {}
+        self.flagged: set[int] = set()
+        self.payload_bytes, self.centroids_sent, self.encoders_sent, self.reclusterings = 0, 0, 0, []
 
     # -- FCR ----------------------------------------------------------------------------
     def setup(self, fed) -> None:
         tic = time.perf_counter()
-        tensors, meta, info = self.encoder_payload()
-        centroids = fed.embed(0, np.arange(self.ctx.n_clients), tensors, meta)
-        missing = sorted(set(range(self.ctx.n_clients)) - set(centroids))
-        if missing:
-            raise RuntimeError(f"FCR: clients {missing[:20]} sent no centroids")
-        self.payload_bytes = sum(t.nbytes for t in tensors.values())
-        points = [centroids[c] for c in range(self.ctx.n_clients)]
-        self.relate(points, fed)
+        self.payload, self.payload_meta, info = self.encoder_payload()
+        self.payload_bytes = sum(t.nbytes for t in self.payload.values())
+        self.embed(fed, fed.present, rnd=0, strict=True)
+        self.relate(fed.present)
         self.fcr_report.update(info)
-        self.fcr_report["seconds"] = time.perf_counter() - tic
-        self.fcr_report["centroids_sent"] = int(sum(len(p) for p in points))
-        self.fcr_report["latent"] = int(points[0].shape[1])
-        self.fcr_report["encoder_bytes"] = self.payload_bytes
+        self.fcr_report.update({"seconds": time.perf_counter() - tic, "encoder_bytes": self.payload_bytes,
+                                "latent": int(next(iter(self.centroids.values())).shape[1])})
+
+    def embed(self, fed, clients, rnd: int, strict: bool = False) -> None:
+        """Send the encoder to `clients`, keep the k x e centroids they send back."""
+        got = fed.embed(rnd, np.asarray(clients), self.payload, self.payload_meta)
+        self.encoders_sent += len(clients)
+        missing = sorted(set(np.asarray(clients).tolist()) - set(got))
+        if missing and strict:
+            raise RuntimeError(f"FCR: clients {missing[:20]} sent no centroids")
+        self.centroids.update(got)
+        self.centroids_sent += sum(len(c) for c in got.values())
+        self.fcr_report["centroids_sent"] = self.centroids_sent
 
     def encoder_payload(self) -> tuple[dict, dict, dict]:
         """What travels down for FCR: ONNX bytes (frozen) or the autoencoder (fine-tune)."""
@@ -121,26 +142,111 @@ class FLT(Strategy):
         return fcr.umap_project(points, u["n_components"], u["n_neighbors"], u["min_dist"],
                                 u["metric"], seed=self.ctx.seed)
 
-    def relate(self, centroids: list[np.ndarray], fed=None) -> None:
-        """Steps 3-4 of FCR, then one model per cluster (II) or per client (I)."""
+    def gamma(self, adj: np.ndarray) -> float:
+        return self.params["gamma"]
+
+    def relate(self, clients, tag: str = "") -> dict:
+        """Steps 3-4 of FCR over `clients`; models carry over from the old clustering."""
         tic = time.perf_counter()
-        points = self.project(centroids)
+        clients = np.array(sorted(c for c in np.asarray(clients).tolist() if c in self.centroids))
+        points = self.project([self.centroids[c] for c in clients])
         adj = fcr.min_distance_adjacency(points, device=self.ctx.device)
-        gamma = self.params["gamma"]
+        gamma = self.gamma(adj)
         hard = fcr.hard_threshold(adj, gamma)
-        self.graph = hard if self.params["adjacency"] == "hard" else fcr.soft_weights(adj, gamma)
-        self.labels, z, c = fcr.ward_clusters(hard, self.params["clusters"], self.params["max_clusters"])
+        sub, z, c = fcr.ward_clusters(hard, self.params["clusters"], self.params["max_clusters"])
+        labels = np.full(self.ctx.n_clients, -1, dtype=np.int64)
+        labels[clients] = sub
+        graph = np.eye(self.ctx.n_clients, dtype=np.float32)
+        graph[np.ix_(clients, clients)] = hard if self.params["adjacency"] == "hard" else fcr.soft_weights(adj, gamma)
+        self._carry_models(labels, graph, c)
+        old = self.labels
+        self.labels, self.graph = labels, graph
         order = fcr.leaf_order(z, len(hard))
-        self.fcr_report.update({"server_seconds": time.perf_counter() - tic, "clusters": c,
-                                "cluster_sizes": np.bincount(self.labels).tolist(),
-                                "mean_degree": float(hard.sum(1).mean())})
-        self.fcr_report.update(agreement(self.labels, self.ctx.truth))
-        np.savez(self.ctx.run_dir / "fcr.npz", adjacency=adj, graph=self.graph, labels=self.labels,
-                 linkage=z, order=order, points=np.concatenate(points),
-                 owner=np.repeat(np.arange(len(points)), [len(p) for p in points]))
-        plot_fcr(self.ctx.run_dir, adj, hard, z, order, points, self.labels)
-        rows = c if self.params["aggregation"] == "case2" else self.ctx.n_clients
-        self.models = self.on(self.ctx.init.clone())[None].expand(rows, -1).clone()
+        report = {"server_seconds": time.perf_counter() - tic, "clusters": c, "gamma": gamma,
+                  "cluster_sizes": np.bincount(sub).tolist(), "mean_degree": float(hard.sum(1).mean()),
+                  **agreement(labels[clients], self.ctx.truth[clients])}
+        self.fcr_report.update(report)
+        np.savez(self.ctx.run_dir / f"fcr{tag}.npz", clients=clients, adjacency=adj, graph=hard,
+                 labels=sub, old_labels=old[clients], linkage=z, order=order,
+                 points=np.concatenate(points), owner=np.repeat(clients, [len(p) for p in points]),
+                 centroids=np.concatenate([self.centroids[c] for c in clients]))
+        plot_fcr(self.ctx.run_dir, adj, hard, z, order, points, sub, tag)
+        return report
+
+    def _carry_models(self, labels: np.ndarray, graph: np.ndarray, n_clusters: int) -> None:
+        """A new cluster starts from the sample-weighted mean of its members' old cluster
+        models (a cluster of newcomers only: from the mean of all); in Case I a newcomer
+        starts from the mean of its neighbours' models."""
+        n = torch.as_tensor(self.ctx.n_train, dtype=self.models.dtype, device=self.models.device)
+        if self.params["aggregation"] == "case1":
+            fresh = np.flatnonzero((labels >= 0) & (self.labels < 0))
+            old = torch.as_tensor(self.labels >= 0, device=n.device)
+            for c in fresh:  # newcomers only: a handful of rows
+                w = torch.as_tensor(graph[c], device=n.device) * n * old
+                if w.sum() > 0:
+                    self.models[c] = weighted_average(self.models, w)
+            return
+        known = self.labels >= 0
+        everyone = weighted_average(self.models[self.labels[known]], n[known]) if known.any() else self.models[0]
+        new = everyone[None].expand(n_clusters, -1).clone()
+        for j in range(n_clusters):
+            members = np.flatnonzero((labels == j) & known)
+            if len(members):
+                new[j] = weighted_average(self.models[self.labels[members]], n[members])
+        self.models = new
+
+    # -- a changing population (dynamic FLT) --------------------------------------------
+    def on_arrival(self, rnd: int, clients: np.ndarray, fed) -> dict:
+        """Newcomers embed their data; they join the cluster whose mean embedding is nearest
+        (`newcomers: nearest`), or FCR's server side re-runs over everyone (`recluster`)."""
+        tic, before = time.perf_counter(), _fcr_bytes(fed)
+        self.embed(fed, clients, rnd)
+        if self.params["newcomers"] == "recluster":
+            report = self.relate(fed.present, tag=f"-round{rnd}")
+        else:
+            report = self._place_nearest(clients)
+        return {"placement": self.params["newcomers"], "seconds": time.perf_counter() - tic,
+                "fcr_bytes": _fcr_bytes(fed) - before, **report}
+
+    def _place_nearest(self, clients: np.ndarray) -> dict:
+        placed = np.array([c for c in clients.tolist() if c in self.centroids], dtype=np.int64)
+        known = np.flatnonzero(self.labels >= 0)
+        means = np.stack([self.centroids[c].mean(0) for c in known])
+        cluster_means = np.stack([means[self.labels[known] == j].mean(0) for j in range(self.labels.max() + 1)])
+        mine = np.stack([self.centroids[c].mean(0) for c in placed])
+        nearest = np.linalg.norm(mine[:, None] - cluster_means[None], axis=-1).argmin(1)
+        labels = self.labels.copy()
+        labels[placed] = nearest
+        graph = self.graph.copy()
+        same = labels[:, None] == labels[None, :]
+        graph[placed] = same[placed]
+        graph[:, placed] = same[:, placed]
+        if self.params["aggregation"] == "case1":
+            self._carry_models(labels, graph, 0)
+        self.labels, self.graph = labels, graph
+        present = np.flatnonzero(labels >= 0)
+        return {"assigned": nearest.tolist(), **agreement(labels[present], self.ctx.truth[present])}
+
+    def maintain(self, rnd: int, fed) -> list[dict]:
+        """Re-run FCR when the flags delta raised since the last run add up to more than
+        lambda, or every tau rounds; only flagged clients re-embed (everyone, for tau)."""
+        lam, tau = self.params["recluster_flags"], self.params["recluster_every"]
+        cause = None
+        if lam is not None and len(self.flagged) > lam:
+            cause, who = "flags", np.array(sorted(self.flagged))
+        elif tau and rnd % tau == 0:
+            cause, who = "period", fed.present
+        if cause is None:
+            return []
+        tic, before, old = time.perf_counter(), _fcr_bytes(fed), self.labels.copy()
+        self.embed(fed, who, rnd)
+        report = self.relate(fed.present, tag=f"-round{rnd}")
+        self.flagged.clear()
+        event = {"kind": "recluster", "round": rnd, "cause": cause, "clients": who.tolist(),
+                 "seconds": time.perf_counter() - tic, "fcr_bytes": _fcr_bytes(fed) - before,
+                 "old_labels": old.tolist(), "new_labels": self.labels.tolist(), **report}
+        self.reclusterings.append({k: v for k, v in event.items() if k not in ("old_labels", "new_labels")})
+        return [event]
 
     # -- training -----------------------------------------------------------------------
     def row(self, client: int) -> int:
@@ -151,6 +257,7 @@ class FLT(Strategy):
         return {int(c): Task(host[self.row(c)][None]) for c in selected}
 
     def aggregate(self, rnd, results: dict[int, Result]) -> None:
+        self.flagged.update(c for c, r in results.items() if r.meta.get("flag"))
         if not results:
             return
         if self.params["aggregation"] == "case2":
@@ -183,10 +290,11 @@ class FLT(Strategy):
         return self.models.cpu(), rows
 
     def summary(self) -> dict:
-        return {"fcr": self.fcr_report, "found_clusters": self.labels.tolist()}
+        return {"fcr": self.fcr_report, "found_clusters": self.labels.tolist(),
+                "reclusterings": self.reclusterings}
 
     def expected_bytes(self, selections, model_bytes):
-        m = self.ctx.n_clients
-        k_e = self.fcr_report.get("centroids_sent", 0) * self.fcr_report.get("latent", 0) * 4
+        # M*W_enc counts one encoder per client; re-clustering sends it again to re-embedders
+        k_e = self.centroids_sent * self.fcr_report.get("latent", 0) * 4
         return {"formula": "M*W_enc + k*M*e + 2*rho*M*W_local*T",
-                "bytes": m * self.payload_bytes + k_e + 2 * selections * model_bytes}
+                "bytes": self.encoders_sent * self.payload_bytes + k_e + 2 * selections * model_bytes}

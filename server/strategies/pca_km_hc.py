@@ -25,7 +25,6 @@ from sklearn.decomposition import PCA
 
 from scenarios.schema import Field, section, validate
 from server import encoder as enc
-from server import fcr
 from server.strategies.flt import ENCODER, FLT
 
 LINEAR = {
@@ -74,21 +73,12 @@ class PCAKMHC(FLT):
     def project(self, points: list[np.ndarray]) -> list[np.ndarray]:
         return points  # no UMAP: distances are taken in PCA space
 
-    def relate(self, centroids: list[np.ndarray], fed=None) -> None:
+    def gamma(self, adj: np.ndarray) -> float:
         if self.params["gamma"] is None:
-            adj = fcr.min_distance_adjacency(self.project(centroids), device=self.ctx.device)
             self.gamma_used = gamma_from_quantile(adj, self.params["gamma_quantile"])
         else:
             self.gamma_used = float(self.params["gamma"])
-        # FLT's threshold / Ward / model set-up, with gamma resolved (A is recomputed there;
-        # it is one vectorized pass, seconds even for 2,400 clients)
-        params = self.params
-        self.params = {**params, "gamma": self.gamma_used}
-        try:
-            super().relate(centroids, fed)
-        finally:
-            self.params = params
-        self.fcr_report["gamma"] = self.gamma_used
+        return self.gamma_used
 
     def summary(self) -> dict:
         return super().summary() | {"gamma": self.gamma_used}
