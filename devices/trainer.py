@@ -183,7 +183,7 @@ class _StackedOptimizer:
         lr = self.cfg.lr
         if self.cfg.optimizer == "sgd":
             for k, g in grads.items():
-                params[k].sub_(lr * g)
+                params[k].sub_(g, alpha=lr)  # no temporary the size of the stack
             return
         self.t += 1
         b1, b2, eps = 0.9, 0.999, 1e-8

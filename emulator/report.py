@@ -38,7 +38,9 @@ def method_summary(spec: dict, history: list[dict], strategy, transport: Transpo
         "lost_clients": transport.lost_clients().tolist(),
         "setup_s": history[0]["setup_s"] if history else 0.0,
         "wall_s": history[-1]["wall_s"] if history else 0.0,
-        "s_per_round": float(np.mean([r["train_s"] for r in history])) if history else 0.0,
+        # median: round 1 pays one-off warm-up (imports, first vmap); evaluation is apart
+        "s_per_round": float(np.median([r["train_s"] for r in history])) if history else 0.0,
+        "eval_s_per_round": float(np.median([r["eval_s"] for r in history if "eval_s" in r] or [0.0])),
         "model_bytes": model_bytes, "selections": selections,
     }
     if expected:

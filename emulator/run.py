@@ -175,6 +175,8 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
     init, model_spec = initial_weights(cfg, train)
     n_proc = cfg["devices"]["processes"] or os.cpu_count() or 1
     n_proc = min(n_proc, partition.n_clients)
+    # the server's own tensor work is light; leave the cores to the device processes
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) - n_proc * cfg["devices"]["threads"]))
     transport = Transport()
     fleet = processes.DeviceFleet(transport.endpoint, run_dir / "logs", cfg["devices"]["threads"],
                                   cfg["devices"]["crash"])

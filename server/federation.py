@@ -109,11 +109,13 @@ def run_method(strategy: Strategy, fed: Federation, population, rounds: int, eva
             events += strategy.maintain(rnd, fed)
             record = {"method": strategy.name, "round": rnd, "selected": int(len(selected)),
                       "returned": int(len(results)), "events": events, **clock}
+            record["train_s"] = time.perf_counter() - r_tic  # selection, training, aggregation
             if rnd % eval_every == 0 or rnd == rounds:
+                e_tic = time.perf_counter()
                 present = np.setdiff1d(population.candidates(rnd), transport.lost_clients())
                 models, rows = strategy.eval_models(present)
                 record.update(accuracy_stats(fed.evaluate(rnd, present, models, rows)))
-            record["train_s"] = time.perf_counter() - r_tic
+                record["eval_s"] = time.perf_counter() - e_tic
             record["wall_s"] = time.perf_counter() - tic
             record["setup_s"] = setup_s
             record["bytes"] = _bytes_so_far(transport)
@@ -134,5 +136,5 @@ def _line(r: dict, rounds: int) -> str:
     down = sum(r["bytes"]["down"].values()) / 1e6
     acc = f"acc {r['acc_mean']:6.2f} ± {r['acc_se']:4.2f}" if "acc_mean" in r else " " * 18
     return (f"[{r['method']}] round {r['round']:>3}/{rounds}  {acc}  "
-            f"up {up:8.2f} MB  down {down:8.2f} MB  {r['train_s']:.2f} s/round  "
+            f"up {up:8.2f} MB  down {down:8.2f} MB  train {r['train_s']:.2f} s  "
             f"({r['returned']}/{r['selected']} returned)")

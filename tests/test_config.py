@@ -1,0 +1,189 @@
+"""Scenario files: validation before anything starts, `--set` overrides, the resolved
+config saved in the run folder, `flt compare`, and `flt --help`."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from emulator import config
+from scenarios.schema import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
+
+
+def flt(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def scenario(tmp_path: Path, text: str, name: str = "bad.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# -- bad scenarios stop before anything starts ---------------------------------------------
+
+def test_unknown_key_exits_2_naming_file_field_and_suggestion(tmp_path):
+    path = scenario(tmp_path, "train: {lrr: 0.1}\n")
+    out = tmp_path / "run"
+    res = flt("run", str(path), "--out", str(out))
+    assert res.returncode == 2, res.stderr + res.stdout
+    assert str(path) in res.stderr
+    assert "train.lrr" in res.stderr
+    assert "did you mean 'lr'" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not out.exists()  # validated before the run folder is made
+    assert "run folder" not in res.stdout
+
+
+def test_bad_method_param_through_the_cli_exits_2(tmp_path):
+    path = scenario(tmp_path, "methods: [{name: flt, gama: 1}]\n")
+    out = tmp_path / "run"
+    res = flt("compare", str(path), "--methods", "flt", "--out", str(out))
+    assert res.returncode == 2, res.stderr + res.stdout
+    assert str(path) in res.stderr and "gama" in res.stderr and "gamma" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("text, field, words", [
+    ("train: {rounds: ten}\n", "train.rounds", ["int", "'ten'"]),
+    ("train: {participation: 1.5}\n", "train.participation", ["1.5", "maximum"]),
+    ("train: {lr: 0}\n", "train.lr", ["minimum"]),
+    ("partition: {clients: many}\n", "partition.clients", ["int"]),
+    ("model: resnet\n", "model", ["'resnet'", "mlp"]),
+    ("methods: [fedavgg]\n", "methods[0].name", ["unknown method", "'fedavgg'", "fedavg"]),
+    ("methods: [{name: flt, gama: 1}]\n", "gama", ["unknown field", "did you mean 'gamma'", "flt"]),
+    ("methods: [{name: flt, k: five}]\n", ".k", ["'five'", "positive integer or 'auto'", "flt"]),
+    ("methods: [{name: flt, k: 0}]\n", ".k", ["positive integer or 'auto'"]),
+    ("methods: [{name: flt, encoder: {epochz: 3}}]\n", "encoder.epochz", ["did you mean 'epochs'"]),
+    ("methods: []\n", "methods", ["at least one"]),
+    ("data: {dataset: mnist}\n", "data.root", ["'mnist'", "data root"]),
+    ("data: {dataset: no_such_set}\n", "data.dataset", ["'no_such_set'"]),
+])
+def test_bad_scenarios_name_file_and_field(tmp_path, text, field, words):
+    path = scenario(tmp_path, text)
+    with pytest.raises(ConfigError) as exc:
+        config.load(path)
+    msg = str(exc.value)
+    assert msg.startswith(f"{path}: "), msg
+    assert field in msg, msg
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+@pytest.mark.parametrize("override, field", [
+    ("train.rounds=ten", "train.rounds"),
+    ("train.participation=1.5", "train.participation"),
+    ("methods=[{name: flt, k: five}]", ".k"),
+    ("train.lrr=0.1", "train.lrr"),
+    ("rounds", "--set 'rounds'"),
+])
+def test_bad_overrides_name_file_and_field(override, field):
+    with pytest.raises(ConfigError) as exc:
+        config.load(QUICKSTART, [override])
+    assert str(exc.value).startswith(f"{QUICKSTART}: ")
+    assert field in str(exc.value)
+
+
+def test_compare_with_an_unknown_method_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"--methods: unknown method 'fedavgg'"):
+        config.load(QUICKSTART, [], ["fedavg", "fedavgg"])
+
+
+def test_missing_scenario_file_exits_2(tmp_path):
+    res = flt("run", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "run"))
+    assert res.returncode == 2
+    assert str(tmp_path / "nope.yaml") in res.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_data_files_fail_with_a_message_naming_the_root(tmp_path):
+    empty = tmp_path / "empty-root"
+    empty.mkdir()
+    path = scenario(tmp_path, f"data: {{dataset: mnist, root: {empty}}}\ndevices: {{processes: 1}}\n")
+    res = flt("run", str(path), "--out", str(tmp_path / "run"), timeout=120)
+    assert res.returncode != 0
+    assert str(empty) in res.stderr
+    # a clean one-line error, as for every other bad input, not a Python traceback
+    assert "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.startswith("error: "), res.stderr
+
+
+# -- a valid run: overrides and the saved, resolved config ---------------------------------------
+
+OVERRIDES = ["train.rounds=1", "methods=[fedavg]"]
+
+
+@pytest.fixture(scope="module")
+def one_round_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("config-run")
+    args = [a for o in OVERRIDES for a in ("--set", o)]
+    res = flt("run", str(QUICKSTART), *args, "--out", str(out))
+    assert res.returncode == 0, res.stderr + res.stdout
+    return out
+
+
+def test_overrides_are_applied_and_resolved_config_is_saved(one_round_run):
+    saved = yaml.safe_load((one_round_run / "config.yaml").read_text())
+    assert saved["train"]["rounds"] == 1
+    assert saved["train"]["batch_size"] == 10
+    assert saved["methods"] == [{"name": "fedavg", "params": {}, "label": "fedavg"}]
+    # defaults the quickstart does not mention are filled in
+    assert saved["train"]["vectorize"] is True
+    assert saved["train"]["target_accuracy"] is None
+    assert saved["devices"]["threads"] == 1
+    assert saved["devices"]["round_timeout_s"] == 120.0
+    assert saved["partition"]["shared_classes"] == 0
+    assert saved["data"]["root"] is None
+    assert saved["output"] == "runs"
+    # exactly what validation resolves
+    assert saved == config.load(QUICKSTART, OVERRIDES)
+    s = json.loads((one_round_run / "summary.json").read_text())
+    assert list(s["methods"]) == ["fedavg"]
+    assert s["methods"]["fedavg"]["rounds"] == 1
+
+
+@pytest.fixture(scope="module")
+def compare_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare-run")
+    res = flt("compare", str(QUICKSTART), "--methods", "fedavg,local", "--set", "train.rounds=2",
+              "--out", str(out))
+    assert res.returncode == 0, res.stderr + res.stdout
+    return out
+
+
+def test_compare_runs_both_methods_on_one_partition(compare_run):
+    s = json.loads((compare_run / "summary.json").read_text())
+    assert set(s["methods"]) == {"fedavg", "local"}
+    saved = yaml.safe_load((compare_run / "config.yaml").read_text())
+    assert [m["name"] for m in saved["methods"]] == ["fedavg", "local"]
+    assert saved["train"]["rounds"] == 2
+    assert len(list(compare_run.glob("partition*.npz"))) == 1
+    fedavg, local = s["methods"]["fedavg"], s["methods"]["local"]
+    assert fedavg["rounds"] == local["rounds"] == 2
+    assert fedavg["selections"] == local["selections"] == 2 * 0.5 * 20
+    for label in ("fedavg", "local"):
+        assert (compare_run / label / "metrics.jsonl").is_file()
+
+
+def test_local_uploads_no_model_bytes(compare_run):
+    s = json.loads((compare_run / "summary.json").read_text())
+    local, fedavg = s["methods"]["local"], s["methods"]["fedavg"]
+    assert local["bytes_payload"]["up"]["model"] == 0
+    assert fedavg["bytes_payload"]["up"]["model"] > 0
+    # w0 goes down once per client ever selected, never again
+    assert local["bytes_payload"]["down"]["model"] == local["clients_initialised"] * local["model_bytes"]
+    assert local["bytes_vs_formula"] == 1.0
+
+
+def test_help_lists_the_commands():
+    res = flt("--help", timeout=120)
+    assert res.returncode == 0, res.stderr
+    for cmd in ("run", "compare", "device"):
+        assert cmd in res.stdout

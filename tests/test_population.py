@@ -1,0 +1,150 @@
+"""The emulated population: availability-aware sampling, deadlines, over-commitment,
+arrival and drift schedules, FLT's re-clustering trigger, and a newcomer process joining
+a live run."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from emulator.config import parse_methods
+from emulator.population import Population, schedule_from
+from emulator.profiles import Profiles
+from server.strategies.base import Context, Result
+from server.strategies.flt import FLT
+from server.transport import Ledger
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def profiles(m, ms=10.0, windows=None, mbps=8.0):
+    return Profiles(ms_per_sample=np.full(m, ms), up_bps=np.full(m, mbps * 1e6 / 8),
+                    down_bps=np.full(m, mbps * 1e6 / 8), latency_s=np.zeros(m),
+                    windows=windows or [np.zeros((0, 2))] * m, period_s=None)
+
+
+def test_an_offline_device_is_never_selected():
+    m = 10
+    windows = [np.zeros((0, 2))] * m
+    offline = [1, 4, 7]
+    for c in offline:  # online only later in the run
+        windows = windows[:c] + [np.array([[1000.0, 2000.0]])] + windows[c + 1:]
+    pop = Population(m, rho=1.0, seed=0, profiles=profiles(m, windows=windows), sampling="available")
+    for rnd in range(1, 20):
+        chosen = pop.select(rnd, np.arange(m))
+        assert not set(offline) & set(chosen.tolist())
+        assert len(chosen) == m - len(offline)
+
+
+def _results(steps):
+    return {c: Result(None, 60, {"steps": s}) for c, s in steps.items()}
+
+
+def test_a_straggler_past_the_deadline_is_dropped():
+    m = 4
+    pop = Population(m, rho=1.0, seed=0, profiles=profiles(m, ms=10.0), deadline_s=20.0)
+    pop.select(1, np.arange(m))
+    fed = SimpleNamespace(round_bytes={c: (1_000_000, 1_000_000) for c in range(m)})
+    # 3 x 10 x steps x 10 ms = 0.3 s per step; 1 MB at 8 Mbit/s = 1 s each way
+    kept, clock = pop.close_round(1, _results({0: 10, 1: 60, 2: 61, 3: 70}), fed)
+    assert sorted(kept) == [0, 1]          # 5 s, 20 s (exactly at the deadline counts)
+    assert clock["stragglers"] == 2        # 20.3 s and 23 s
+    assert clock["round_s"] == pytest.approx(20.0) and clock["emulated_s"] == pytest.approx(20.0)
+
+
+def test_overcommitment_draws_more_and_keeps_the_fastest():
+    m = 20
+    pop = Population(m, rho=0.25, seed=3, profiles=profiles(m), overcommit=1.4)
+    chosen = pop.select(1, np.arange(m))
+    assert len(chosen) == 7 and pop.target == 5
+    fed = SimpleNamespace(round_bytes={int(c): (0, 0) for c in chosen})
+    steps = {int(c): 10 + i for i, c in enumerate(chosen)}
+    kept, clock = pop.close_round(1, _results(steps), fed)
+    assert sorted(kept) == sorted(chosen[:5].tolist()) and clock["stragglers"] == 2
+
+
+def test_same_draws_for_every_method_and_seed_dependence():
+    a = Population(100, 0.2, seed=1).select(5, np.arange(100))
+    b = Population(100, 0.2, seed=1).select(5, np.arange(100))
+    c = Population(100, 0.2, seed=2).select(5, np.arange(100))
+    assert (a == b).all() and not (a == c).all() and len(a) == 20
+
+
+def test_schedule_withholds_a_cluster_and_swaps_without_duplicates():
+    truth = np.repeat(np.arange(4), 5)
+    cfg = {"population": {"newcomers": [{"round": 5, "cluster": 3}],
+                          "drift": [{"round": 8, "clients": [0, 1], "to_cluster": 2}]}}
+    sched = schedule_from(cfg, truth)
+    assert sched.arrivals[5].tolist() == [15, 16, 17, 18, 19]
+    pairs = sched.drift[8]
+    assert [a for a, _ in pairs] == [0, 1]
+    assert all(truth[b] == 2 for _, b in pairs) and len({b for _, b in pairs}) == 2
+    pop = Population(20, 1.0, 0, schedule=sched)
+    assert set(pop.candidates(1).tolist()) == set(range(15))
+
+
+def test_recluster_fires_exactly_when_flags_pass_lambda(tmp_path, monkeypatch):
+    m, p = 8, 6
+    ctx = Context(init=torch.zeros(p), n_clients=m, n_train=np.ones(m, dtype=np.int64),
+                  device=torch.device("cpu"), seed=0, run_dir=tmp_path, truth=np.full(m, -1),
+                  train={}, scenario={})
+    params = parse_methods([{"name": "flt", "recluster_flags": 2}])[0].params
+    flt = FLT(ctx, **params)
+    calls = []
+    monkeypatch.setattr(flt, "embed", lambda fed, who, rnd, strict=False: calls.append(("embed", list(who))))
+    monkeypatch.setattr(flt, "relate", lambda clients, tag="": calls.append(("relate", tag)) or {})
+    fed = SimpleNamespace(present=np.arange(m), transport=SimpleNamespace(ledger=Ledger()))
+
+    def round_with_flags(rnd, flagged):
+        flt.aggregate(rnd, {c: Result(torch.zeros(p), 1, {"flag": int(c in flagged)}) for c in range(m)})
+        return flt.maintain(rnd, fed)
+
+    assert round_with_flags(1, {0}) == []
+    assert round_with_flags(2, {1}) == []          # 2 flags: not more than lambda = 2
+    events = round_with_flags(3, {2})              # the third flag passes lambda
+    assert [e["cause"] for e in events] == ["flags"] and events[0]["clients"] == [0, 1, 2]
+    assert calls == [("embed", [0, 1, 2]), ("relate", "-round3")]
+    assert round_with_flags(4, set()) == [] and not flt.flagged
+
+
+@pytest.fixture(scope="module")
+def dynamic_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dynamic")
+    res = subprocess.run(
+        [sys.executable, "-m", "emulator.cli", "run", "scenarios/dynamic_digits.yaml", "--out", str(out),
+         "--set", "train.rounds=12", "--set", "population.drift=[{round: 11, clients: [0, 1, 2], to_cluster: 2}]",
+         "--set", "methods=[{name: flt, encoder: {dataset: public, epochs: 100}, k: auto, umap: {n_neighbors: 5},"
+                  " gamma: 0.5, newcomers: recluster, recluster_flags: 0}]"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr + res.stdout
+    rows = [json.loads(x) for x in (out / "flt" / "metrics.jsonl").read_text().splitlines()]
+    return out, rows, json.loads((out / "summary.json").read_text())
+
+
+def test_newcomers_join_as_a_new_process_get_a_model_and_are_evaluated(dynamic_run):
+    out, rows, summary = dynamic_run
+    assert [r["n_eval"] for r in rows[:9]] == [20] * 9          # cluster 4 withheld
+    assert all(r["n_eval"] == 25 for r in rows[9:])               # joined at round 10
+    arrival = next(e for e in rows[9]["events"] if e["kind"] == "arrival")
+    assert arrival["clients"] == [20, 21, 22, 23, 24] and arrival["placement"] == "recluster"
+    newcomers = [n for n in summary["device_exit_codes"] if n.startswith("new-")]
+    assert len(newcomers) == 1 and summary["device_exit_codes"][newcomers[0]] == 0
+    assert (out / "logs" / f"{newcomers[0]}.log").exists()
+    trained = {c for r in rows[9:] for c in range(20, 25)} and rows[9]["returned"] > 0
+    assert trained
+
+
+def test_drift_raises_flags_and_triggers_reclustering(dynamic_run):
+    _, rows, summary = dynamic_run
+    drift = next(e for e in rows[10]["events"] if e["kind"] == "drift")
+    assert sorted(drift["clients"])[:3] == [0, 1, 2]
+    reclusters = [e for r in rows[10:] for e in r["events"] if e["kind"] == "recluster"]
+    assert reclusters and reclusters[0]["cause"] == "flags"
+    assert set(reclusters[0]["clients"]) <= set(drift["clients"])
+    changes = summary["methods"]["flt"]["changes"]
+    assert [c["kind"] for c in changes] == ["arrival", "drift"]
+    assert summary["methods"]["flt"]["emulated_s"] > 0
