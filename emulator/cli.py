@@ -47,6 +47,7 @@ def _scenario_args(p):
 def _run(args) -> int:
     from emulator import config
     from emulator.run import run_scenario
+    from scenarios.datasets import DataError
 
     methods = None
     if args.cmd == "compare":
@@ -60,7 +61,7 @@ def _run(args) -> int:
     except KeyboardInterrupt:
         print("interrupted: results so far are in the run folder", file=sys.stderr)
         return 130
-    except (FileNotFoundError, TimeoutError, RuntimeError, ValueError) as exc:
+    except (DataError, FileNotFoundError, TimeoutError, RuntimeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

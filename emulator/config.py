@@ -199,4 +199,6 @@ def parse_methods(entries: list) -> list[MethodSpec]:
 
 
 def dump(cfg: dict) -> str:
-    return yaml.safe_dump(cfg, sort_keys=False)
+    """The resolved scenario as YAML that `flt run` accepts again."""
+    out = dict(cfg, methods=[{"name": m["name"], "label": m["label"], **m["params"]} for m in cfg["methods"]])
+    return yaml.safe_dump(out, sort_keys=False)

@@ -42,7 +42,7 @@ def public_images(source: dict, scenario: dict, public_idx: np.ndarray | None) -
 def cache_key(images: np.ndarray, settings: dict) -> str:
     h = hashlib.sha256()
     h.update(np.ascontiguousarray(images).tobytes())
-    h.update(json.dumps({**settings, "shape": list(images.shape), "arch": "ConvAE-v1"},
+    h.update(json.dumps({**settings, "shape": list(images.shape), "arch": "ConvAE-v2"},
                         sort_keys=True).encode())
     return h.hexdigest()[:24]
 
@@ -56,6 +56,7 @@ def pretrained_autoencoder(images: np.ndarray, settings: dict, device: torch.dev
     """Load from cache or pretrain; returns the model (eval mode, CPU) and a report."""
     key = cache_key(images, settings)
     path = cache_dir() / f"convae-{key}.pt"
+    torch.manual_seed(settings["seed"])  # initial weights too: the key must determine the encoder
     ae = ConvAE(tuple(images.shape[1:]), settings["latent"])
     if path.exists():
         ae.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
