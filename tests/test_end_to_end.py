@@ -84,3 +84,22 @@ def test_a_device_that_dies_mid_round_does_not_hang_the_server(tmp_path):
     assert rows[2]["returned"] < rows[2]["selected"]        # round 3 finished without dev-1's clients
     assert all(r["n_eval"] == 10 for r in rows[2:])         # only dev-0's clients are evaluated after
     assert s["device_exit_codes"]["dev-1"] == 3
+
+
+def test_ctrl_c_stops_cleanly_and_keeps_the_rounds_done(tmp_path):
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "emulator.cli", "run", str(QUICKSTART), "--set",
+                             "methods=[fedavg]", "--set", "train.rounds=100000", "--out", str(tmp_path)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "fedavg" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err
+    assert len(metrics.read_text().splitlines()) >= 3
+    codes = json.loads((tmp_path / "summary.json").read_text())["device_exit_codes"]
+    assert codes == {"dev-0": 0, "dev-1": 0}  # devices were told to shut down and did
