@@ -115,7 +115,7 @@ def _key(*parts: object) -> str:
     return h.hexdigest()[:20]
 
 
-def _save_npz_atomic(path: Path, **arrays: np.ndarray) -> None:
+def save_npz_atomic(path: Path, **arrays: np.ndarray) -> None:
     """Write an uncompressed .npz under a temporary name, then rename into place.
 
     Uncompressed so a reload is a plain read (well under a second for CIFAR-10);
@@ -166,6 +166,17 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
         )
     arr = np.frombuffer(raw, dtype=dtype, count=count, offset=header).reshape(dims)
     return arr.astype(dtype.newbyteorder("="), copy=True)  # native order, writable
+
+
+def _find_or_download(find, tv_name: str, root: Path, train: bool, download: bool):
+    """Local files first; torchvision's downloader only when asked (and online)."""
+    found = find()
+    if found is None and download:
+        import torchvision.datasets as tvd
+
+        getattr(tvd, tv_name)(str(root), train=train, download=True)
+        found = find()
+    return found
 
 
 def _find_file(dirs: list[Path], name: str) -> Path | None:
@@ -229,12 +240,7 @@ def _load_mnist_like(name: str, root: Path | None, train: bool, download: bool) 
         found = [_find_file(dirs, f) for f in files]
         return found if all(found) else None
 
-    found = find()
-    if found is None and download:
-        import torchvision.datasets as tvd
-
-        getattr(tvd, tv_name)(str(root), train=train, download=True)
-        found = find()
+    found = _find_or_download(find, tv_name, root, train, download)
     if found is None:
         raise DataError(
             f"dataset '{name}': no IDX files in {root} (looked for "
@@ -367,12 +373,7 @@ def _load_cifar(name: str, root: Path | None, train: bool, download: bool) -> Da
                 return [d / f for f in files]
         return None
 
-    found = find()
-    if found is None and download:
-        import torchvision.datasets as tvd
-
-        getattr(tvd, tv_name)(str(root), train=train, download=True)
-        found = find()
+    found = _find_or_download(find, tv_name, root, train, download)
     if found is None:
         raise DataError(
             f"dataset '{name}': no pickle batches in {root} (looked for {', '.join(files)} "
@@ -552,7 +553,7 @@ def _load_imagefolder(name: str, root: Path | None, train: bool, download: bool)
             sel = [t for t in items if t[0] == part]
             arrays[f"x_{part}"] = _decode_images([(f, b) for _, _, f, b in sel])
             arrays[f"y_{part}"] = np.array([cidx[c] for _, c, _, _ in sel], dtype=np.int64)
-        _save_npz_atomic(npz, **arrays)
+        save_npz_atomic(npz, **arrays)
     with np.load(npz, allow_pickle=False) as z:
         part = "train" if train else "test"
         classes = [str(c) for c in z["classes"]]
@@ -606,7 +607,7 @@ def _load_femnist(root: Path | None, train: bool, download: bool) -> Dataset:
             arrays[f"g_{part}"] = np.repeat(
                 np.array([lookup[u] for u, _ in users], dtype=np.int64), [n for _, n in users]
             )
-        _save_npz_atomic(npz, **arrays)
+        save_npz_atomic(npz, **arrays)
     with np.load(npz, allow_pickle=False) as z:
         part = "train" if train else "test"
         return Dataset(

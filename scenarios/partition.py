@@ -21,11 +21,12 @@ a test shard capped). Shared rules:
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from scenarios.datasets import save_npz_atomic
 
 __all__ = [
     "Partition",
@@ -109,16 +110,7 @@ class Partition:
         }
         if self.groups is not None:
             arrays["groups"] = self.groups
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        save_npz_atomic(path, **arrays)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Partition":
