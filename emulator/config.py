@@ -49,7 +49,10 @@ TRAIN = {
 }
 
 DEVICES = {
-    "processes": Field(int, None, "device processes (default: CPU cores)", nullable=True, min=1),
+    "processes": Field(int, None, "device processes started here (default: CPU cores)", nullable=True, min=0),
+    "external": Field(int, 0, "devices started by hand with `flt device --connect` (other hosts) "
+                      "that the run waits for", min=0),
+    "bind": Field(str, "tcp://127.0.0.1:*", "server address; tcp://0.0.0.0:5555 accepts other hosts"),
     "threads": Field(int, 1, "torch threads per device process", min=1),
     "round_timeout_s": Field(float, 120.0, "a round's replies are awaited this long", min=0, open_min=True),
     "start_timeout_s": Field(float, 120.0, "devices must connect within this", min=0, open_min=True),
@@ -133,6 +136,8 @@ def resolve(raw: dict) -> dict:
     cfg = validate(copy.deepcopy(raw), SCENARIO)
     cfg["methods"] = [m.__dict__ for m in parse_methods(cfg["methods"])]
     _check_events(cfg["population"], cfg["train"]["rounds"])
+    if cfg["devices"]["processes"] == 0 and cfg["devices"]["external"] == 0:
+        raise ConfigError("devices.processes: 0 local processes and no external devices: nobody would train")
     for dev, rnd in cfg["devices"]["crash"].items():
         if not (isinstance(dev, int) and isinstance(rnd, int) and rnd >= 1):
             raise ConfigError(f"devices.crash: expected {{device index: round}}, got {dev!r}: {rnd!r}")

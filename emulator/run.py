@@ -162,6 +162,15 @@ class Dynamics:
         self.method += 1
 
 
+def wait_external(transport: Transport, local: list[str], n: int, timeout_s: float, progress) -> list[str]:
+    """Devices started by hand (`flt device --connect ...`), possibly on other hosts."""
+    if n == 0:
+        return []
+    progress(f"waiting for {n} external device(s): flt device --connect {transport.endpoint}")
+    transport.wait_devices(len(local) + n, timeout_s)
+    return [d for d in transport.devices if d not in local]
+
+
 def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
     run_dir = make_run_dir(cfg, out)
     progress(f"run folder: {run_dir}")
@@ -173,11 +182,11 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
     for note in partition.notes:
         progress(f"partition: {note}")
     init, model_spec = initial_weights(cfg, train)
-    n_proc = cfg["devices"]["processes"] or os.cpu_count() or 1
-    n_proc = min(n_proc, partition.n_clients)
+    n_proc = cfg["devices"]["processes"]
+    n_proc = min(os.cpu_count() or 1 if n_proc is None else n_proc, partition.n_clients)
     # the server's own tensor work is light; leave the cores to the device processes
     torch.set_num_threads(max(1, (os.cpu_count() or 1) - n_proc * cfg["devices"]["threads"]))
-    transport = Transport()
+    transport = Transport(cfg["devices"]["bind"])
     fleet = processes.DeviceFleet(transport.endpoint, run_dir / "logs", cfg["devices"]["threads"],
                                   cfg["devices"]["crash"])
     transport.alive = fleet.alive
@@ -186,6 +195,8 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
     try:
         fleet.start(n_proc)
         devices = fleet.wait(transport, cfg["devices"]["start_timeout_s"])
+        devices += wait_external(transport, devices, cfg["devices"]["external"],
+                                 cfg["devices"]["start_timeout_s"], progress)
         meta = {"dataset": {"name": cfg["data"]["dataset"], "root": _abs(cfg["data"]["root"]),
                             "download": cfg["data"]["download"]}, "model": model_spec}
         schedule = schedule_from(cfg, partition.cluster)

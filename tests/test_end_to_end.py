@@ -103,3 +103,31 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_rounds_done(tmp_path):
     assert len(metrics.read_text().splitlines()) >= 3
     codes = json.loads((tmp_path / "summary.json").read_text())["device_exit_codes"]
     assert codes == {"dev-0": 0, "dev-1": 0}  # devices were told to shut down and did
+
+
+def test_a_device_started_by_hand_joins_over_tcp(tmp_path):
+    """The path to real edge devices: one local device process plus one started by hand
+    with `flt device --connect`, as on another host."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a free port for the server to bind
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.Popen([sys.executable, "-m", "emulator.cli", "run", str(QUICKSTART),
+                            "--set", "methods=[fedavg]", "--set", "train.rounds=4",
+                            "--set", "devices.processes=1", "--set", "devices.external=1",
+                            "--set", f"devices.bind=tcp://127.0.0.1:{port}", "--out", str(tmp_path)],
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    by_hand = subprocess.Popen([sys.executable, "-m", "emulator.cli", "device", "--connect",
+                                f"tcp://127.0.0.1:{port}", "--name", "edge-1"],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err
+    assert "waiting for 1 external device(s)" in out
+    by_hand.wait(timeout=60)
+    assert by_hand.returncode == 0   # the server told it to shut down
+    assert "hosting 10 clients" in by_hand.stderr.read()
+    m = summary(tmp_path)["methods"]["fedavg"]
+    assert m["final_accuracy"] > 20 and not m["lost_clients"]
