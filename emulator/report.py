@@ -110,9 +110,10 @@ def plot_convergence(run_dir: Path, summary: dict) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (ax_r, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
+    marked: set[int] = set()
     for label in summary["methods"]:
-        rows = [json.loads(line) for line in (run_dir / label / "metrics.jsonl").read_text().splitlines()]
-        rows = [r for r in rows if "acc_mean" in r]
+        rows_all = [json.loads(line) for line in (run_dir / label / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows_all if "acc_mean" in r]
         acc = np.array([r["acc_mean"] for r in rows])
         se = np.array([r["acc_se"] for r in rows])
         rnd = [r["round"] for r in rows]
@@ -120,6 +121,13 @@ def plot_convergence(run_dir: Path, summary: dict) -> Path:
         ax_r.plot(rnd, acc, label=label)
         ax_r.fill_between(rnd, acc - se, acc + se, alpha=0.2)
         ax_b.plot(mb, acc, label=label)
+        for r in rows_all:  # arrivals and drift, the same rounds for every method
+            for e in r.get("events", []):
+                if e["kind"] in ("arrival", "drift") and e["round"] not in marked:
+                    marked.add(e["round"])
+                    ax_r.axvline(e["round"], color="grey", ls="--", lw=0.8)
+                    ax_r.annotate(e["kind"], (e["round"], 0.02), xycoords=("data", "axes fraction"),
+                                  rotation=90, fontsize=7, color="grey")
     ax_r.set(xlabel="round", ylabel="mean client test accuracy (%)", title=summary["scenario"])
     ax_b.set(xlabel="bytes on the wire, up + down (MB)", ylabel="mean client test accuracy (%)")
     ax_b.set_xscale("symlog")

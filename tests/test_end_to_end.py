@@ -131,3 +131,21 @@ def test_a_device_started_by_hand_joins_over_tcp(tmp_path):
     assert "hosting 10 clients" in by_hand.stderr.read()
     m = summary(tmp_path)["methods"]["fedavg"]
     assert m["final_accuracy"] > 20 and not m["lost_clients"]
+
+
+def test_every_method_runs_over_real_processes_and_matches_its_byte_formula(tmp_path):
+    names = ["fedavg", "fedprox", "local", "pca_km_hc", "ifca", "fedsem", "cfl", "flt"]
+    res = flt("compare", str(QUICKSTART), "--methods", ",".join(names), "--set", "train.rounds=3",
+              "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    methods = summary(tmp_path)["methods"]
+    assert list(methods) == names
+    for name, m in methods.items():
+        assert m["final_accuracy"] is not None and m["rounds"] == 3, name
+        assert abs(m["bytes_vs_formula"] - 1.0) < 0.01, (name, m["expected"], m["formula_payload_bytes"])
+    w, sel = methods["ifca"]["model_bytes"], methods["ifca"]["selections"]
+    assert methods["ifca"]["bytes_payload"]["down"]["model"] == 5 * w * sel   # C models to each
+    assert methods["ifca"]["bytes_payload"]["up"]["model"] == w * sel
+    assert methods["local"]["bytes_payload"]["up"]["model"] == 0
+    for line in ("method", "fedavg", "ifca", "flt"):
+        assert line in res.stdout
