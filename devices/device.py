@@ -138,7 +138,13 @@ class Device:
         if msg.client not in self.shards:
             raise KeyError(f"drift for client {msg.client}, which {self.name} does not host")
         train, test = self.splits
-        self.shards[msg.client] = _shard(train, test, msg.tensors["train"], msg.tensors["test"])
+        shard = _shard(train, test, msg.tensors["train"], msg.tensors["test"])
+        if "label_swap" in msg.meta:  # concept shift: two classes trade labels
+            i, j = msg.meta["label_swap"]
+            old = self.shards[msg.client]
+            for y, y_old in ((shard.y, old.y), (shard.y_test, old.y_test)):
+                y.copy_(torch.where(y_old == i, j, torch.where(y_old == j, i, y_old)))
+        self.shards[msg.client] = shard
         if msg.meta.get("flag", True):
             self.flags.add(msg.client)
         else:

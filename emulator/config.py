@@ -78,7 +78,8 @@ POPULATION = {
     "newcomers": Field(list, [], "[{round: r, cluster: c}] or [{round: r, clients: [ids]}]: "
                        "clients withheld until round r, joining as a new device process"),
     "drift": Field(list, [], "[{round: r, clients: [ids], to_cluster: c}]: each client swaps its data "
-                   "with a client of cluster c and raises its change flag"),
+                   "with a client of cluster c; or [{round: r, clients: [ids], kind: swap_labels, "
+                   "labels: [i, j]}]: their classes i and j trade labels; drifted clients raise their flag"),
 }
 
 SCENARIO = {
@@ -151,12 +152,17 @@ def resolve(raw: dict) -> dict:
 
 
 def _check_events(pop: dict, rounds: int) -> None:
-    for kind, need in (("newcomers", ("round",)), ("drift", ("round", "clients", "to_cluster"))):
+    for kind, need in (("newcomers", ("round",)), ("drift", ("round", "clients"))):
         for i, ev in enumerate(pop[kind]):
             where = f"population.{kind}[{i}]"
             if not isinstance(ev, dict):
                 raise ConfigError(f"{where}: expected a mapping")
-            extra = set(ev) - set(need) - ({"cluster", "clients"} if kind == "newcomers" else set())
+            if kind == "drift":
+                need = need + (("labels",) if ev.get("kind") == "swap_labels" else ("to_cluster",))
+                if ev.get("kind", "move") not in ("move", "swap_labels"):
+                    raise ConfigError(f"{where}.kind: 'move' or 'swap_labels', got {ev.get('kind')!r}")
+            optional = {"cluster", "clients"} if kind == "newcomers" else {"kind"}
+            extra = set(ev) - set(need) - optional
             if extra:
                 raise ConfigError(f"{where}: unknown field(s) {sorted(extra)}")
             for key in need:

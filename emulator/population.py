@@ -27,7 +27,9 @@ from emulator.profiles import Profiles
 @dataclass
 class Schedule:
     arrivals: dict[int, np.ndarray] = field(default_factory=dict)      # round -> clients joining
-    drift: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # round -> (client, partner) swaps
+    # round -> changes: {"kind": "move", "client": a, "partner": b} (a and b swap their data)
+    # or {"kind": "swap_labels", "client": c, "labels": [i, j]} (c's classes i and j trade labels)
+    drift: dict[int, list[dict]] = field(default_factory=dict)
 
 
 class Population:
@@ -65,9 +67,11 @@ class Population:
     def before_round(self, rnd: int, fed, strategy) -> list[dict]:
         events = []
         if rnd in self.schedule.drift:
-            pairs = self.schedule.drift[rnd]
-            self.drift_cb(rnd, pairs)
-            events.append({"kind": "drift", "round": rnd, "clients": sorted({c for p in pairs for c in p})})
+            changes = self.schedule.drift[rnd]
+            self.drift_cb(rnd, changes)
+            moved = {c[k] for c in changes for k in ("client", "partner") if k in c}
+            events.append({"kind": "drift", "round": rnd, "clients": sorted(moved),
+                           "changes": sorted({c["kind"] for c in changes})})
         if rnd in self.schedule.arrivals:
             clients = self.schedule.arrivals[rnd]
             self.arrive_cb(rnd, clients)
@@ -137,8 +141,9 @@ def rounds_to_recover(history: list[dict], event_round: int, until: int | None =
 
 def schedule_from(cfg: dict, truth: np.ndarray) -> Schedule:
     """Newcomers: the clients of a planted cluster (or listed ids) withheld until a round.
-    Drift: each listed client swaps its data with a client of the target cluster (a
-    different one per drifting client), so no sample is duplicated."""
+    Drift `move`: each listed client swaps its data with a client of the target cluster (a
+    different one per drifting client), so no sample is duplicated. Drift `swap_labels`:
+    the listed clients' classes i and j trade labels (a concept shift the images do not show)."""
     pop = cfg.get("population") or {}
     sched = Schedule()
     for ev in pop.get("newcomers") or []:
@@ -148,7 +153,10 @@ def schedule_from(cfg: dict, truth: np.ndarray) -> Schedule:
     late = set(np.concatenate(list(sched.arrivals.values())).tolist()) if sched.arrivals else set()
     used: set[int] = set()
     for ev in pop.get("drift") or []:
-        movers = list(ev["clients"])
+        movers, changes = list(ev["clients"]), sched.drift.setdefault(ev["round"], [])
+        if ev.get("kind", "move") == "swap_labels":
+            changes += [{"kind": "swap_labels", "client": int(c), "labels": list(ev["labels"])} for c in movers]
+            continue
         partners = [int(c) for c in np.flatnonzero(truth == ev["to_cluster"])
                     if int(c) not in late and int(c) not in used and int(c) not in movers]
         if len(partners) < len(movers):
@@ -156,5 +164,5 @@ def schedule_from(cfg: dict, truth: np.ndarray) -> Schedule:
                              f"{len(partners)} clients free to swap with, {len(movers)} needed")
         pairs = list(zip(movers, partners[-len(movers):]))
         used.update(p for _, p in pairs)
-        sched.drift.setdefault(ev["round"], []).extend(pairs)
+        changes += [{"kind": "move", "client": int(a), "partner": int(b)} for a, b in pairs]
     return sched

@@ -124,7 +124,7 @@ class Dynamics:
         self.transport, self.fleet, self.partition, self.meta = transport, fleet, partition, meta
         self.ctx, self.cfg, self.progress = ctx, cfg, progress
         self.newcomer_devices: list[str] = []
-        self.swapped: list[tuple[int, int]] = []
+        self.applied: list[dict] = []
         self.method = 0
 
     def arrive(self, rnd: int, clients: np.ndarray) -> None:
@@ -135,25 +135,35 @@ class Dynamics:
         self.newcomer_devices.append(name)
         self.progress(f"round {rnd}: {len(clients)} newcomers joined on new device process {name}")
 
-    def drift(self, rnd: int, pairs: list[tuple[int, int]]) -> None:
-        for a, b in pairs:
-            self._swap(a, b, flag=True)
-            self.swapped.append((a, b))
-        self.progress(f"round {rnd}: data drift, swapped shards of {pairs}")
+    def drift(self, rnd: int, changes: list[dict]) -> None:
+        for change in changes:
+            self._apply(change, flag=True)
+            self.applied.append(change)
+        self.progress(f"round {rnd}: data drift: {changes}")
 
-    def _swap(self, a: int, b: int, flag: bool) -> None:
+    def _apply(self, change: dict, flag: bool) -> None:
+        """A move swaps two clients' shards; a label swap trades two labels (its own inverse)."""
+        p, c = self.partition, change["client"]
+        if change["kind"] == "swap_labels":
+            self._send_shard(c, flag, {"label_swap": change["labels"]})
+            return
+        b = change["partner"]
+        p.train[c], p.train[b] = p.train[b], p.train[c]
+        p.test[c], p.test[b] = p.test[b], p.test[c]
+        self.ctx.truth[[c, b]] = self.ctx.truth[[b, c]]
+        self._send_shard(c, flag)
+        self._send_shard(b, flag)
+
+    def _send_shard(self, c: int, flag: bool, extra: dict | None = None) -> None:
         p = self.partition
-        p.train[a], p.train[b] = p.train[b], p.train[a]
-        p.test[a], p.test[b] = p.test[b], p.test[a]
-        self.ctx.truth[[a, b]] = self.ctx.truth[[b, a]]
-        for c in (a, b):
-            self.transport.send(self.transport.client_device[c], Message(
-                "drift", client=c, meta={"flag": flag}, tensors={"train": p.train[c], "test": p.test[c]}))
+        self.transport.send(self.transport.client_device[c], Message(
+            "drift", client=c, meta={"flag": flag, **(extra or {})},
+            tensors={"train": p.train[c], "test": p.test[c]}))
 
     def undo(self) -> None:
-        for a, b in reversed(self.swapped):
-            self._swap(a, b, flag=False)
-        self.swapped.clear()
+        for change in reversed(self.applied):
+            self._apply(change, flag=False)
+        self.applied.clear()
         for name in self.newcomer_devices:
             self.transport.send(name, Message("shutdown"))
             self.fleet.retire(name)

@@ -80,7 +80,7 @@ def test_schedule_withholds_a_cluster_and_swaps_without_duplicates():
                           "drift": [{"round": 8, "clients": [0, 1], "to_cluster": 2}]}}
     sched = schedule_from(cfg, truth)
     assert sched.arrivals[5].tolist() == [15, 16, 17, 18, 19]
-    pairs = sched.drift[8]
+    pairs = [(c["client"], c["partner"]) for c in sched.drift[8]]
     assert [a for a, _ in pairs] == [0, 1]
     assert all(truth[b] == 2 for _, b in pairs) and len({b for _, b in pairs}) == 2
     pop = Population(20, 1.0, 0, schedule=sched)
@@ -148,3 +148,29 @@ def test_drift_raises_flags_and_triggers_reclustering(dynamic_run):
     changes = summary["methods"]["flt"]["changes"]
     assert [c["kind"] for c in changes] == ["arrival", "drift"]
     assert summary["methods"]["flt"]["emulated_s"] > 0
+
+
+def test_label_swap_drift_trades_two_labels_on_the_device_and_raises_the_flag():
+    from devices.device import Device, Shard
+    from models.wire import Message
+
+    dev = Device("tcp://127.0.0.1:9", name="t")  # connect is lazy: no server needed here
+    y = torch.tensor([0, 1, 2, 1, 0])
+    x = torch.arange(5, dtype=torch.uint8).view(5, 1, 1, 1)
+    dev.splits = ((x, y), (x, y))
+    dev.shards[7] = Shard(x.float(), y.clone(), x.float(), y.clone())
+    idx = np.arange(5, dtype=np.int64)
+    dev.on_drift(Message("drift", client=7, meta={"label_swap": [0, 1]}, tensors={"train": idx, "test": idx}))
+    assert dev.shards[7].y.tolist() == [1, 0, 2, 0, 1] and dev.shards[7].y_test.tolist() == [1, 0, 2, 0, 1]
+    assert 7 in dev.flags
+    dev.on_drift(Message("drift", client=7, meta={"label_swap": [0, 1], "flag": False},
+                         tensors={"train": idx, "test": idx}))
+    assert dev.shards[7].y.tolist() == y.tolist() and 7 not in dev.flags
+    dev.sock.close(linger=0)
+
+
+def test_schedule_swap_labels():
+    sched = schedule_from({"population": {"drift": [{"round": 3, "clients": [4, 5], "kind": "swap_labels",
+                                                      "labels": [1, 2]}]}}, np.zeros(10, dtype=int))
+    assert sched.drift[3] == [{"kind": "swap_labels", "client": 4, "labels": [1, 2]},
+                              {"kind": "swap_labels", "client": 5, "labels": [1, 2]}]
