@@ -57,7 +57,8 @@ class DeviceFleet:
             got = transport.recv(0.5)
             if got:
                 transport._hello(*got)
-        return [n for n in transport.devices if n in self.procs]
+        # in start order, not hello order: which device hosts which clients must not race
+        return [n for n in self.procs if n in transport.devices]
 
     def tail(self, name: str, lines: int = 15) -> str:
         text = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()

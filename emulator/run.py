@@ -178,7 +178,7 @@ def wait_external(transport: Transport, local: list[str], n: int, timeout_s: flo
         return []
     progress(f"waiting for {n} external device(s): flt device --connect {transport.endpoint}")
     transport.wait_devices(len(local) + n, timeout_s)
-    return [d for d in transport.devices if d not in local]
+    return sorted(d for d in transport.devices if d not in local)  # by name, not arrival
 
 
 def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
