@@ -17,6 +17,11 @@ that round (its column gets weight zero), so client m's next model is the p-weig
 average of the models of its *selected* neighbours (p_j = n_j), and a client none of
 whose neighbours trained keeps its model. With A~ = all ones this is exactly FedAvg;
 with A~ = I it is Local training.
+
+Dynamic FLT: clients raise a flag delta when their data changed; when more than lambda
+flags are up (`recluster_flags`) or every tau rounds (`recluster_every`), the flagged
+clients re-embed and steps 3-4 re-run. A newcomer joins the cluster whose mean embedding
+is nearest, or triggers the re-run (`newcomers`).
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ def _fcr_bytes(fed) -> int:
     """Encoder + embedding bytes on the wire so far (to price a re-clustering)."""
     t = fed.transport.ledger.totals()
     return sum(t[d][k]["payload"] + t[d][k]["overhead"] for d in t for k in ("encoder", "embedding"))
+
 
 ENCODER = {
     "dataset": Field(str, "public", "pretraining set: 'public' (held-out slice of the train split) "
