@@ -172,7 +172,13 @@ class Device:
         kind = batch[0].kind
         handler = {"train": self.train, "evaluate": self.evaluate, "encoder": self.encode_fcr}[kind]
         try:
-            for reply in handler(batch):
+            start = time.monotonic()
+            replies = handler(batch)
+            delay = {m.client: m.meta.get("delay_s", 0.0) for m in batch}
+            for reply in sorted(replies, key=lambda r: delay.get(r.client, 0.0)):
+                wait = start + delay.get(reply.client, 0.0) - time.monotonic()
+                if wait > 0:  # real-time mode: answer when this device would have finished
+                    time.sleep(wait)
                 self.send(reply)
         except Exception as exc:
             log.error("%s: %s cohort failed:\n%s", self.name, kind, traceback.format_exc())

@@ -75,6 +75,9 @@ POPULATION = {
     "deadline_s": Field(float, None, "round deadline in emulated seconds (stragglers dropped)",
                         nullable=True, min=0, open_min=True),
     "overcommit": Field(float, 1.0, "draw ceil(k * factor) clients, keep the k fastest", min=1.0),
+    "realtime": Field(float, None, "real-time mode: devices really wait their emulated task time x this "
+                      "factor before answering, and the server waits deadline_s x this factor",
+                      nullable=True, min=0, open_min=True),
     "newcomers": Field(list, [], "[{round: r, cluster: c}] or [{round: r, clients: [ids]}]: "
                        "clients withheld until round r, joining as a new device process"),
     "drift": Field(list, [], "[{round: r, clients: [ids], to_cluster: c}]: each client swaps its data "

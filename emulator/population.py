@@ -36,11 +36,13 @@ class Population:
     def __init__(self, n_clients: int, rho: float, seed: int, profiles: Profiles | None = None,
                  schedule: Schedule | None = None, sampling: str = "uniform",
                  deadline_s: float | None = None, overcommit: float = 1.0, batch_size: int = 10,
-                 arrive: Callable | None = None, drift: Callable | None = None):
+                 arrive: Callable | None = None, drift: Callable | None = None,
+                 realtime: float | None = None, n_train: np.ndarray | None = None, epochs: int = 1):
         self.n_clients, self.rho, self.seed = n_clients, rho, seed
         self.profiles, self.schedule = profiles, schedule or Schedule()
         self.sampling, self.deadline_s, self.overcommit = sampling, deadline_s, overcommit
-        self.batch_size = batch_size
+        self.batch_size, self.epochs, self.n_train = batch_size, epochs, n_train
+        self.realtime = realtime  # wall seconds per emulated second; None: no real waiting
         self.arrive_cb, self.drift_cb = arrive, drift
         late = np.concatenate(list(self.schedule.arrivals.values()) or [np.zeros(0, np.int64)])
         self.present = np.ones(n_clients, dtype=bool)
@@ -82,9 +84,32 @@ class Population:
         return events
 
     # -- how long -----------------------------------------------------------------------
+    def delays(self, rnd: int, tasks: dict) -> dict[int, float] | None:
+        """Real-time mode: how long each device really waits before answering (its task's
+        emulated duration, scaled), so the server's deadline drops stragglers for real."""
+        if self.realtime is None or self.profiles is None or not tasks:
+            return None
+        clients = np.array(sorted(tasks), dtype=np.int64)
+        down = np.array([0 if tasks[c].models is None else tasks[c].models.numel() * 4 for c in clients])
+        up = np.array([0 if tasks[c].models is None else tasks[c].models[0].numel() * 4 for c in clients])
+        steps = np.ceil(self.n_train[clients] / self.batch_size) * self.epochs
+        secs = task_seconds(self.profiles, clients, batch_size=self.batch_size, steps=steps,
+                            bytes_down=down, bytes_up=up)
+        return {int(c): float(t) * self.realtime for c, t in zip(clients, secs)}
+
+    def timeout(self, default_s: float) -> float:
+        """The real wait for a round's replies: the scaled deadline in real-time mode."""
+        if self.realtime is not None and self.deadline_s is not None:
+            return self.deadline_s * self.realtime
+        return default_s
+
     def close_round(self, rnd: int, results: dict, fed) -> tuple[dict, dict]:
-        if self.profiles is None or not results:
+        if self.profiles is None:
             return results, {}
+        if not results:  # nobody answered in time: the round lasted its deadline
+            self.clock.advance(self.deadline_s or 0.0)
+            return results, {"round_s": self.deadline_s or 0.0, "emulated_s": self.clock.now_s,
+                             "stragglers": 0, "dropouts": 0}
         clients = np.array(sorted(results), dtype=np.int64)
         down = np.array([fed.round_bytes[c][0] for c in clients], dtype=np.float64)
         up = np.array([fed.round_bytes[c][1] for c in clients], dtype=np.float64)

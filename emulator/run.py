@@ -245,7 +245,8 @@ def make_population(cfg: dict, ctx: Context, schedule, profiles, dynamics: Dynam
     return Population(ctx.n_clients, cfg["train"]["participation"], cfg["seed"], profiles=profiles,
                       schedule=schedule, sampling=pop["sampling"], deadline_s=pop["deadline_s"],
                       overcommit=pop["overcommit"], batch_size=cfg["train"]["batch_size"],
-                      arrive=dynamics.arrive, drift=dynamics.drift)
+                      arrive=dynamics.arrive, drift=dynamics.drift, realtime=pop["realtime"],
+                      n_train=ctx.n_train, epochs=cfg["train"]["local_epochs"])
 
 
 def run_one(spec: dict, ctx: Context, fed: Federation, transport: Transport, population: Population,

@@ -37,14 +37,18 @@ class Federation:
     def _seed(self, rnd: int, salt: int = 0) -> int:
         return (self.seed * 7919 + rnd * 104_729 + salt) % (2 ** 31)
 
-    def train(self, rnd: int, tasks: dict[int, Task]) -> dict[int, Result]:
+    def train(self, rnd: int, tasks: dict[int, Task], delays: dict[int, float] | None = None,
+              timeout_s: float | None = None) -> dict[int, Result]:
+        """Train the selected clients; `delays` (real-time mode) makes each device wait
+        that long before answering, and replies later than `timeout_s` are dropped."""
         base = {"epochs": self.cfg["local_epochs"], "batch_size": self.cfg["batch_size"],
                 "lr": self.cfg["lr"], "vectorize": self.cfg["vectorize"], "seed": self._seed(rnd)}
         msgs = {}
         for c, t in tasks.items():
             tensors = {} if t.models is None else {"model": t.models.detach().cpu().numpy()}
-            msgs[c] = Message("train", rnd, c, tensors=tensors, meta={**base, **t.meta})
-        replies = self.transport.gather(msgs, "update", self.timeout_s)
+            delay = {"delay_s": delays[c]} if delays else {}
+            msgs[c] = Message("train", rnd, c, tensors=tensors, meta={**base, **t.meta, **delay})
+        replies = self.transport.gather(msgs, "update", timeout_s or self.timeout_s)
         self.round_bytes = {c: (sum(t.nbytes for t in msgs[c].tensors.values()),
                                 sum(t.nbytes for t in r.tensors.values())) for c, r in replies.items()}
         return {c: Result(self._tensor(r, "model"), int(r.meta["n"]), r.meta) for c, r in replies.items()}
@@ -103,7 +107,7 @@ def run_method(strategy: Strategy, fed: Federation, population, rounds: int, eva
             fed.present = candidates
             selected = population.select(rnd, candidates)
             tasks = strategy.train_tasks(rnd, selected)
-            results = fed.train(rnd, tasks)
+            results = fed.train(rnd, tasks, population.delays(rnd, tasks), population.timeout(fed.timeout_s))
             results, clock = population.close_round(rnd, results, fed)
             strategy.aggregate(rnd, results)
             events += strategy.maintain(rnd, fed)

@@ -174,3 +174,36 @@ def test_schedule_swap_labels():
                                                       "labels": [1, 2]}]}}, np.zeros(10, dtype=int))
     assert sched.drift[3] == [{"kind": "swap_labels", "client": 4, "labels": [1, 2]},
                               {"kind": "swap_labels", "client": 5, "labels": [1, 2]}]
+
+
+def test_server_side_monitor_flags_a_client_whose_update_turns_away(tmp_path):
+    m, p = 6, 5
+    ctx = Context(init=torch.zeros(p), n_clients=m, n_train=np.ones(m, dtype=np.int64),
+                  device=torch.device("cpu"), seed=0, run_dir=tmp_path, truth=np.full(m, -1),
+                  train={}, scenario={})
+    flt = FLT(ctx, **parse_methods([{"name": "flt", "monitor_cosine": 0.0, "recluster_flags": 0}])[0].params)
+    flt.labels = np.zeros(m, dtype=np.int64)
+    v = torch.tensor([1.0, 2.0, 0.5, -1.0, 0.3])
+    updates = {c: v + 0.05 * c for c in range(m)}
+    updates[4] = -v                                   # its data changed: it pulls the other way
+    flt.aggregate(1, {c: Result(u, 1, {"flag": 0}) for c, u in updates.items()})
+    assert flt.flagged == {4} and flt.monitored == {4}
+    fed = SimpleNamespace(present=np.arange(m), transport=SimpleNamespace(ledger=Ledger()))
+    flt.embed = lambda fed, who, rnd, strict=False: None
+    flt.relate = lambda clients, tag="": {}
+    assert [e["cause"] for e in flt.maintain(1, fed)] == ["monitor"]
+
+
+def test_realtime_mode_makes_devices_wait_and_the_deadline_drops_them_for_real(tmp_path):
+    res = subprocess.run(
+        [sys.executable, "-m", "emulator.cli", "run", "scenarios/quickstart.yaml", "--out", str(tmp_path),
+         "--set", "methods=[fedavg]", "--set", "train.rounds=4", "--set", "population.realtime=0.05",
+         "--set", "population.deadline_s=10",
+         "--set", "population.profiles={distribution: {compute: {dist: lognormal, median_ms_per_sample: 40, "
+                  "sigma: 1.0}}}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(x) for x in (tmp_path / "fedavg" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["selected"] - r["returned"] for r in rows) > 0      # late replies never counted
+    assert "did not answer within 0" in res.stderr                    # the real 0.5 s deadline
+    assert all(r["round_s"] <= 10.0 + 1e-9 for r in rows)

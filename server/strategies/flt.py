@@ -92,6 +92,9 @@ class FLT(Strategy):
                                  "their data-change flag (null: never)", nullable=True, min=0),
         "recluster_every": Field(int, None, "tau: re-run FCR every tau rounds (null: never)",
                                  nullable=True, min=1),
+        "monitor_cosine": Field(float, None, "server-side monitor (case2): flag a client whose update's "
+                                "cosine similarity to its cluster's mean update is below this "
+                                "(null: off)", nullable=True, min=-1.0, max=1.0),
     }
 
     def __init__(self, ctx, **params):
@@ -103,7 +106,8 @@ class FLT(Strategy):
         case2 = params["aggregation"] == "case2"
         self.models = self.on(ctx.init.clone())[None].expand(1 if case2 else m, -1).clone()
         self.centroids: dict[int, np.ndarray] = {}
-        self.flagged: set[int] = set()
+        self.flagged: set[int] = set()      # clients whose data changed since the last FCR
+        self.monitored: set[int] = set()    # of those, flagged by the server-side monitor
         self.payload_bytes, self.centroids_sent, self.encoders_sent, self.reclusterings = 0, 0, 0, []
 
     # -- FCR ----------------------------------------------------------------------------
@@ -239,7 +243,8 @@ class FLT(Strategy):
         lam, tau = self.params["recluster_flags"], self.params["recluster_every"]
         cause = None
         if lam is not None and len(self.flagged) > lam:
-            cause, who = "flags", np.array(sorted(self.flagged))
+            cause = "monitor" if self.flagged <= self.monitored else "flags"
+            who = np.array(sorted(self.flagged))
         elif tau and rnd % tau == 0:
             cause, who = "period", fed.present
         if cause is None:
@@ -248,6 +253,7 @@ class FLT(Strategy):
         self.embed(fed, who, rnd)
         report = self.relate(fed.present, tag=f"-round{rnd}")
         self.flagged.clear()
+        self.monitored.clear()
         event = {"kind": "recluster", "round": rnd, "cause": cause, "clients": who.tolist(),
                  "seconds": time.perf_counter() - tic, "fcr_bytes": _fcr_bytes(fed) - before,
                  "old_labels": old.tolist(), "new_labels": self.labels.tolist(), **report}
@@ -277,7 +283,19 @@ class FLT(Strategy):
             members = [m for m in sorted(results) if self.labels[m] == c]
             models, n = stack(results, members)
             new[c] = weighted_average(models, n)
+            self._monitor(members, models - self.models[c], new[c] - self.models[c])
         self.models = new
+
+    def _monitor(self, members: list[int], updates: torch.Tensor, mean_update: torch.Tensor) -> None:
+        """Server-side change monitor: a client whose update points away from its cluster's
+        (cosine below `monitor_cosine`) is flagged as if it had raised delta itself."""
+        threshold = self.params["monitor_cosine"]
+        if threshold is None or len(members) < 2:
+            return
+        cos = torch.nn.functional.cosine_similarity(updates, mean_update[None], dim=1)
+        odd = [m for m, c in zip(members, cos.tolist()) if c < threshold]
+        self.flagged.update(odd)
+        self.monitored.update(odd)
 
     def _aggregate_graph(self, results):
         """W^{t+1} = W_bar A~ diag(.) as one matrix product over the selected clients."""
