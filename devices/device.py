@@ -55,7 +55,7 @@ class Device:
         self.shards: dict[int, Shard] = {}
         self.resident: dict[int, torch.Tensor] = {}  # per-client models kept on the device (Local)
         self.init: torch.Tensor | None = None        # the run's initial weights (sent with reset)
-        self.flags: set[int] = set()                  # clients whose data changed since their last update
+        self.flags: set[int] = set()                  # clients whose data changed since they last embedded
         self.pending: dict[int, list[Message]] = {}  # batch id -> messages of an incomplete cohort
         self.datasets: dict[tuple, tuple] = {}
         self.trainer: CohortTrainer | None = None
@@ -227,7 +227,8 @@ class Device:
             meta = {"batch": m.meta["batch"], "n": len(xs[i]), "loss": float(losses[i]),
                     "choice": choice[i], "flag": int(m.client in self.flags),
                     "compute_s": seconds, "steps": -(-len(xs[i]) // cfg.batch_size) * cfg.epochs}
-            self.flags.discard(m.client)
+            # the flag stays up until the client re-embeds: an update the server drops
+            # (a straggler) must not lose it
             if m.meta.get("resident"):
                 self.resident[m.client] = trained[i].clone()
                 replies.append(Message("update", m.round, m.client, meta=meta))
