@@ -108,6 +108,7 @@ def run_method(strategy: Strategy, fed: Federation, population, rounds: int, eva
             selected = population.select(rnd, candidates)
             tasks = strategy.train_tasks(rnd, selected)
             results = fed.train(rnd, tasks, population.delays(rnd, tasks), population.timeout(fed.timeout_s))
+            strategy.observe(rnd, results)
             results, clock = population.close_round(rnd, results, fed)
             strategy.aggregate(rnd, results)
             events += strategy.maintain(rnd, fed)

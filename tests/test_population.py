@@ -100,7 +100,9 @@ def test_recluster_fires_exactly_when_flags_pass_lambda(tmp_path, monkeypatch):
     fed = SimpleNamespace(present=np.arange(m), transport=SimpleNamespace(ledger=Ledger()))
 
     def round_with_flags(rnd, flagged):
-        flt.aggregate(rnd, {c: Result(torch.zeros(p), 1, {"flag": int(c in flagged)}) for c in range(m)})
+        results = {c: Result(torch.zeros(p), 1, {"flag": int(c in flagged)}) for c in range(m)}
+        flt.observe(rnd, results)
+        flt.aggregate(rnd, results)
         return flt.maintain(rnd, fed)
 
     assert round_with_flags(1, {0}) == []

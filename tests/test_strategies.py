@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from emulator.population import Population
 from server.strategies.base import Context, Result
 from server.strategies.cfl import CFL
 from server.strategies.fedprox import FedProx
@@ -336,11 +337,12 @@ class FakeFederation:
         self.transport = _Transport()
         self.resident: dict[int, torch.Tensor] = {}
         self.method = ""
+        self.timeout_s = 60.0
 
     def _count(self, direction, kind, nbytes):
         self.transport.ledger.bytes[direction][kind] += int(nbytes)
 
-    def train(self, rnd, tasks):
+    def train(self, rnd, tasks, delays=None, timeout_s=None):
         out = {}
         for c, t in tasks.items():
             if t.models is not None:
@@ -382,23 +384,6 @@ class FakeFederation:
         return out
 
 
-class FakePopulation:
-    def __init__(self, m, rho, seed):
-        self.m, self.rho, self.rng = m, rho, np.random.default_rng(seed)
-
-    def before_round(self, rnd, fed, strategy):
-        return []
-
-    def candidates(self, rnd):
-        return np.arange(self.m)
-
-    def select(self, rnd, candidates):
-        return np.sort(self.rng.choice(candidates, max(1, int(self.rho * len(candidates))), replace=False))
-
-    def close_round(self, rnd, results, fed):
-        return results, {}
-
-
 LOOP = {
     "local": (Local, {}),
     "fedprox": (FedProx, {"mu": 0.1}),
@@ -422,7 +407,7 @@ def test_round_loop_and_byte_formula(tmp_path, name):
     strategy = cls(ctx, **params)
     assert strategy.name == name
     fed = FakeFederation(targets, ctx.n_train)
-    history = run_method(strategy, fed, FakePopulation(m, 0.5, 0), rounds, eval_every=4,
+    history = run_method(strategy, fed, Population(m, 0.5, 0), rounds, eval_every=4,
                          out_dir=tmp_path / name, progress=lambda s: None)
     assert len(history) == rounds and all("acc_mean" in history[r] for r in (3, 7, 11))
     selections = sum(r["selected"] for r in history)

@@ -65,6 +65,10 @@ class Strategy:
         """(models [R, P], row of each client); models None means 'device-resident'."""
         raise NotImplementedError
 
+    def observe(self, rnd: int, results: dict[int, Result]) -> None:
+        """Every reply that arrived this round, before the clock drops stragglers: what a
+        reply says about its client (FLT's change flag) counts even when it came late."""
+
     def on_arrival(self, rnd: int, clients: np.ndarray, fed) -> dict | None:
         """Newcomers joined before this round (their devices are connected)."""
         return None

@@ -268,8 +268,10 @@ class FLT(Strategy):
         host = self.models.cpu()
         return {int(c): Task(host[self.row(c)][None]) for c in selected}
 
-    def aggregate(self, rnd, results: dict[int, Result]) -> None:
+    def observe(self, rnd, results: dict[int, Result]) -> None:
         self.flagged.update(c for c, r in results.items() if r.meta.get("flag"))
+
+    def aggregate(self, rnd, results: dict[int, Result]) -> None:
         if not results:
             return
         if self.params["aggregation"] == "case2":
