@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -38,27 +37,7 @@ if str(REPO) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-TORCH_DEFAULT_THREADS = torch.get_num_threads()
-
-
-def machine_info() -> dict:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-        "cpu_model": cpu, "os_cpu_count": os.cpu_count(),
-        "sched_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "torch": torch.__version__, "torch_default_threads": TORCH_DEFAULT_THREADS,
-        "cuda_available": torch.cuda.is_available(),
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
+from machine import TORCH_DEFAULT_THREADS, machine_info  # noqa: E402
 
 
 def centroids(m: int, k: int, e: int, n_clusters: int, seed: int) -> tuple[list[np.ndarray], np.ndarray]:

@@ -30,7 +30,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import re
 import resource
 import shutil
@@ -51,7 +50,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.utils import parameters_to_vector, vector_to_parameters  # noqa: E402
 
 # torch's own choice, captured before anything below changes it
-TORCH_DEFAULT_THREADS = torch.get_num_threads()
+from machine import TORCH_DEFAULT_THREADS, machine_info  # noqa: E402
 
 # DESIGN.md section 9, seconds per round, 2-core machine
 DESIGN_FIGURES = {
@@ -63,32 +62,6 @@ DESIGN_FIGURES = {
 
 
 # ----------------------------------------------------------------------------- helpers
-def machine_info() -> dict:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {
-        "hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-        "cpu_model": cpu, "os_cpu_count": os.cpu_count(),
-        "sched_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "torch": torch.__version__, "torch_default_threads": TORCH_DEFAULT_THREADS,
-        "cuda_available": torch.cuda.is_available(),
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
-    try:
-        import numpy
-        info["numpy"] = numpy.__version__
-    except Exception:  # pragma: no cover
-        pass
-    return info
-
-
 def median(xs: list[float]) -> float | None:
     return float(statistics.median(xs)) if xs else None
 

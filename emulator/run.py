@@ -7,7 +7,6 @@ participation draws, and writes the results as they come: config.yaml, partition
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time

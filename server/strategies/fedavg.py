@@ -8,7 +8,6 @@ w_{t+1} = sum_k (n_k / n) w_{t+1}^k over the clients that returned.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from server.strategies.base import Result, Strategy, Task, stack, weighted_average
 
