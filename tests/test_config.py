@@ -189,3 +189,10 @@ def test_help_lists_the_commands():
     assert res.returncode == 0, res.stderr
     for cmd in ("run", "compare", "device"):
         assert cmd in res.stdout
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "scenarios").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_scenario_validates(path):
+    cfg = config.load(path)
+    assert cfg["methods"] and cfg["train"]["rounds"] >= 1
