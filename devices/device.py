@@ -214,7 +214,7 @@ class Device:
         candidates = self._start_models(batch)
         choice = [0] * len(batch)
         if any(len(c) > 1 for c in candidates):  # IFCA: pick the candidate with lowest loss
-            choice = [int(self.trainer.losses_of(c, [x], [y]).argmin()) for c, x, y in zip(candidates, xs, ys)]
+            choice = self._choose(candidates, xs, ys)
         start = torch.stack([c[k] for c, k in zip(candidates, choice)])
         m0 = batch[0].meta
         cfg = TrainConfig(epochs=m0["epochs"], batch_size=m0["batch_size"], lr=m0["lr"],
@@ -236,6 +236,14 @@ class Device:
                 replies.append(Message("update", m.round, m.client,
                                        tensors={"model": trained[i].numpy()}, meta=meta))
         return replies
+
+    def _choose(self, candidates: list[torch.Tensor], xs, ys) -> list[int]:
+        """Index of the candidate model with the lowest loss on each client's own data;
+        one vectorized pass when the whole cohort got the same candidates (IFCA's case)."""
+        first = candidates[0]
+        if all(c.shape == first.shape and torch.equal(c, first) for c in candidates[1:]):
+            return self.trainer.losses_of(first, xs, ys).argmin(1).tolist()
+        return [int(self.trainer.losses_of(c, [x], [y]).argmin()) for c, x, y in zip(candidates, xs, ys)]
 
     def evaluate(self, batch: list[Message]) -> list[Message]:
         models = torch.stack([c[0] for c in self._start_models(batch)])
