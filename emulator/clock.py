@@ -115,34 +115,15 @@ def task_times(
     return TaskTimes(np.asarray(down, np.float64), np.asarray(comp, np.float64), np.asarray(up, np.float64))
 
 
-def task_seconds(
-    profiles,
-    clients,
-    *,
-    batch_size,
-    steps,
-    bytes_down,
-    bytes_up,
-    measured_compute_s=None,
-    reference_ms_per_sample=None,
-) -> np.ndarray:
+def task_seconds(profiles, clients, **times) -> np.ndarray:
     """Seconds each client needs for a round: download + compute + upload.
 
-    ``steps``, ``bytes_down``, ``bytes_up`` and ``measured_compute_s`` are scalars or
-    per-client arrays.  Compute is FedScale's formula, or, when ``measured_compute_s``
-    (a real measurement on the host) is given, ``measured * ms_per_sample /
-    reference_ms_per_sample``: the measurement rescaled to each device's speed.
+    Takes task_times' keywords (``batch_size``, ``steps``, ``bytes_down``, ``bytes_up``,
+    optionally ``measured_compute_s`` with ``reference_ms_per_sample``); scalars or
+    per-client arrays. Compute is FedScale's formula, or a real measurement on the host
+    rescaled to each device's speed (``measured * ms_per_sample / reference``).
     """
-    return task_times(
-        profiles,
-        clients,
-        batch_size=batch_size,
-        steps=steps,
-        bytes_down=bytes_down,
-        bytes_up=bytes_up,
-        measured_compute_s=measured_compute_s,
-        reference_ms_per_sample=reference_ms_per_sample,
-    ).total_s
+    return task_times(profiles, clients, **times).total_s
 
 
 @dataclass(frozen=True)
