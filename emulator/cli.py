@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from scenarios.schema import ConfigError
+from scenarios.errors import FltError
 
 
 def main(argv=None) -> int:
@@ -47,23 +47,25 @@ def _scenario_args(p):
 def _run(args) -> int:
     from emulator import config
     from emulator.run import run_scenario
-    from scenarios.datasets import DataError
 
     methods = None
     if args.cmd == "compare":
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:
-        cfg = config.load(args.scenario, args.set, methods)
-        run_scenario(cfg, args.out)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return guarded(lambda: run_scenario(config.load(args.scenario, args.set, methods), args.out))
     except KeyboardInterrupt:
         print("interrupted: results so far are in the run folder", file=sys.stderr)
         return 130
-    except (DataError, FileNotFoundError, TimeoutError, RuntimeError, ValueError) as exc:
+
+
+def guarded(action) -> int:
+    """Run a command. The project's own errors (input mistakes, devices that failed) print
+    one line and exit with their code; anything else is a bug and keeps its traceback."""
+    try:
+        action()
+    except FltError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_code
     return 0
 
 

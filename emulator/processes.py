@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from scenarios.errors import DeviceError
 from server.transport import Transport
 
 
@@ -50,10 +51,10 @@ class DeviceFleet:
         while len(set(transport.devices) & set(self.procs)) < len(self.procs):
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
             if dead:
-                raise RuntimeError(f"device process {dead[0]} exited with code "
+                raise DeviceError(f"device process {dead[0]} exited with code "
                                    f"{self.procs[dead[0]].returncode} before connecting:\n{self.tail(dead[0])}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"device processes did not connect within {timeout_s:.0f} s")
+                raise DeviceError(f"device processes did not connect within {timeout_s:.0f} s")
             got = transport.recv(0.5)
             if got:
                 transport._hello(*got)

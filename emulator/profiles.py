@@ -109,6 +109,8 @@ from pathlib import Path
 
 import numpy as np
 
+from scenarios.errors import FltError
+
 __all__ = [
     "Profiles",
     "ProfileError",
@@ -122,7 +124,7 @@ KBPS_TO_BYTES = 1000.0 / 8.0  # 1 kbit/s = 125 bytes/s
 MBPS_TO_BYTES = 1e6 / 8.0
 
 
-class ProfileError(ValueError):
+class ProfileError(FltError, ValueError):
     """A profile spec, trace file or profile array is invalid; the message says where."""
 
 

@@ -24,6 +24,7 @@ from models.nets import build_model
 from models.wire import Message
 from scenarios import partition as part
 from scenarios.datasets import Dataset, load_dataset
+from scenarios.errors import DeviceError
 from server.federation import Federation, run_method
 from server.strategies import STRATEGIES
 from server.strategies.base import Context
@@ -106,10 +107,10 @@ def assign_clients(transport: Transport, partition: part.Partition, devices: lis
     while waiting:
         got = transport.recv(max(0.0, deadline - time.monotonic()))
         if got is None:
-            raise TimeoutError(f"devices {sorted(waiting)} did not load their shards within {timeout_s:.0f} s")
+            raise DeviceError(f"devices {sorted(waiting)} did not load their shards within {timeout_s:.0f} s")
         device, msg = got
         if msg.kind == "error":
-            raise RuntimeError(f"device {device} could not load its clients: {msg.meta.get('reason')}")
+            raise DeviceError(f"device {device} could not load its clients: {msg.meta.get('reason')}")
         if msg.kind == "ready":
             waiting.discard(device)
 

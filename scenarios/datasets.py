@@ -49,6 +49,8 @@ from pathlib import Path
 
 import numpy as np
 
+from scenarios.errors import FltError
+
 __all__ = [
     "DATASETS",
     "DataError",
@@ -78,7 +80,7 @@ EMNIST_SPLITS = {"byclass": 62, "bymerge": 47, "balanced": 47, "letters": 26, "d
 _CACHE_VERSION = 1
 
 
-class DataError(Exception):
+class DataError(FltError):
     """A dataset cannot be loaded; the message names the dataset and what is missing."""
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from scenarios.datasets import save_npz_atomic
+from scenarios.errors import FltError
 
 __all__ = [
     "Partition",
@@ -41,7 +42,7 @@ __all__ = [
 _FORMAT_VERSION = 1
 
 
-class PartitionError(ValueError):
+class PartitionError(FltError, ValueError):
     """A partition cannot be built as asked (bad arguments, or data too short with on_short='fail')."""
 
 

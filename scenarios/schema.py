@@ -11,11 +11,13 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from scenarios.errors import FltError
+
 REQUIRED = object()
 
 
-class ConfigError(ValueError):
-    pass
+class ConfigError(FltError, ValueError):
+    """A scenario file, `--set` or `--methods` that cannot be run; names the file and field."""
 
 
 @dataclass

@@ -20,6 +20,7 @@ import torch
 
 from models.autoencoder import ConvAE
 from scenarios.datasets import load_dataset
+from scenarios.schema import ConfigError
 
 log = logging.getLogger("flt.server")
 
@@ -29,11 +30,11 @@ def public_images(source: dict, scenario: dict, public_idx: np.ndarray | None) -
     data = scenario["data"]
     if source["dataset"] == "public":
         if public_idx is None or len(public_idx) == 0:
-            raise ValueError("encoder.dataset: 'public' needs partition.public_fraction > 0 "
+            raise ConfigError("encoder.dataset: 'public' needs partition.public_fraction > 0 "
                              "(a held-out slice of the train split no client receives)")
         return load_dataset(data["dataset"], data["root"], train=True).x[public_idx]
     if source["dataset"] == data["dataset"]:
-        raise ValueError(f"encoder.dataset: {source['dataset']!r} is the clients' own dataset; "
+        raise ConfigError(f"encoder.dataset: {source['dataset']!r} is the clients' own dataset; "
                          "use 'public' (the held-out slice) so no client training image is seen")
     root = source.get("root") or data["root"]
     return load_dataset(source["dataset"], root, train=True).x

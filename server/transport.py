@@ -17,6 +17,7 @@ import numpy as np
 import zmq
 
 from models.wire import TRAFFIC_CLASSES, Message, ProtocolError, decode, encode, frame_bytes
+from scenarios.errors import DeviceError
 
 log = logging.getLogger("flt.server")
 
@@ -115,7 +116,7 @@ class Transport:
         while len(self.devices) < n:
             got = self.recv(max(0.0, deadline - time.monotonic()))
             if got is None:
-                raise TimeoutError(f"only {len(self.devices)} of {n} devices connected within {timeout_s:.0f} s")
+                raise DeviceError(f"only {len(self.devices)} of {n} devices connected within {timeout_s:.0f} s")
             self._hello(*got)
         return list(self.devices)
 
