@@ -9,8 +9,10 @@ receiver can check every frame before touching it:
      "meta": {...small JSON-able values...}}
 
 `decode` validates version, kind, frame count, dtype, shape against the frame's byte
-size and a size cap, and raises `ProtocolError` (never anything else) on a bad
-message, so a receiver can log it, count it and go on.
+size and a size cap, and raises `ProtocolError` (never anything else, whatever the
+bytes: header size, JSON depth and every shape's rank, dimensions and element count are
+bounded before any parsing or arithmetic) on a bad message, so a receiver can log it,
+count it and go on.
 """
 from __future__ import annotations
 
@@ -19,9 +21,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from scenarios.errors import short as _short
+
 VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 1 << 30  # one message; a 2,400-client ASSIGN of indices is far below
+MAX_JSON_DEPTH = 32          # headers nest 4 deep (header, tensors, spec, shape); see _bracket_depth
+MAX_RANK = 8                 # the widest tensor that travels is 2-D (candidates x parameters)
+MAX_TENSORS = 16             # frames after the header (an ASSIGN has 5)
+MAX_INDEX = 1 << 31          # rounds and client ids
+_OPENERS = np.frombuffer(b"[{", dtype=np.uint8)
+_CLOSERS = np.frombuffer(b"]}", dtype=np.uint8)
 
 # kind -> the traffic class it is billed under in the byte counts
 KINDS = {
@@ -78,56 +88,105 @@ def encode(msg: Message) -> list:
 
 
 def decode(frames: list) -> Message:
-    """Parse and validate a multipart message; raise ProtocolError on anything wrong."""
+    """Parse and validate a multipart message; raise ProtocolError on anything wrong.
+
+    Whatever the bytes, nothing but ProtocolError escapes: the header's size and JSON
+    depth are bounded, and every shape's rank, dimensions and element count are checked
+    with Python integers before any array is built."""
     if not frames:
         raise ProtocolError("empty message")
-    raw = bytes(frames[0])
-    if len(raw) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"header is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise ProtocolError("header is not a JSON object")
-    if header.get("v") != VERSION:
-        raise ProtocolError(f"protocol version {header.get('v')!r}, expected {VERSION}")
+    if len(frames) - 1 > MAX_TENSORS:
+        raise ProtocolError(f"{len(frames) - 1} tensor frames, at most {MAX_TENSORS}")
+    header, raw_len = _header(frames[0])
     kind = header.get("kind")
-    if kind not in KINDS:
-        raise ProtocolError(f"unknown message kind {kind!r}")
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ProtocolError(f"unknown message kind {_short(kind)}")
     for key in ("round", "client"):
-        if not isinstance(header.get(key), int):
-            raise ProtocolError(f"header field {key!r} must be an integer")
-    specs, meta = header.get("tensors"), header.get("meta", {})
-    if not isinstance(specs, list) or not isinstance(meta, dict):
-        raise ProtocolError("header fields 'tensors' (list) and 'meta' (object) are required")
+        value = header.get(key)
+        if not _is_int(value) or not -1 <= value < MAX_INDEX:
+            raise ProtocolError(f"header field {key!r} must be an integer in [-1, {MAX_INDEX}), "
+                                f"not {_short(value)}")
+    specs, meta, run = header.get("tensors"), header.get("meta", {}), header.get("run", "")
+    if not isinstance(specs, list) or not isinstance(meta, dict) or not isinstance(run, str):
+        raise ProtocolError("header fields 'tensors' (list), 'meta' (object) and 'run' (string) "
+                            "have the wrong type")
     if len(specs) != len(frames) - 1:
         raise ProtocolError(f"header lists {len(specs)} tensors but {len(frames) - 1} frames came")
-    tensors, total = {}, len(raw)
+    tensors, total = {}, raw_len
     for spec, frame in zip(specs, frames[1:]):
         name, arr = _tensor(spec, frame)
+        if name in tensors:
+            raise ProtocolError(f"tensor {_short(name)} appears twice")
         total += arr.nbytes
         if total > MAX_MESSAGE_BYTES:
             raise ProtocolError(f"message exceeds the {MAX_MESSAGE_BYTES}-byte cap")
         tensors[name] = arr
     return Message(kind=kind, round=header["round"], client=header["client"],
-                   tensors=tensors, meta=meta, run=str(header.get("run", "")))
+                   tensors=tensors, meta=meta, run=run)
+
+
+def _header(frame) -> tuple[dict, int]:
+    """The header frame as a JSON object no deeper than MAX_JSON_DEPTH."""
+    raw = bytes(frame)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
+    if _bracket_depth(raw) > MAX_JSON_DEPTH:
+        raise ProtocolError(f"header nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # also bad UTF-8 and over-long integers
+        raise ProtocolError(f"header is not JSON: {_short(exc)}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header is not a JSON object")
+    if not _is_int(header.get("v")) or header["v"] != VERSION:
+        raise ProtocolError(f"protocol version {_short(header.get('v'))}, expected {VERSION}")
+    return header, len(raw)
+
+
+def _bracket_depth(raw: bytes) -> int:
+    """An upper bound on the JSON nesting depth (brackets inside strings count too), in
+    one vectorized pass: json.loads would recurse once per level."""
+    b = np.frombuffer(raw, dtype=np.uint8)
+    step = np.isin(b, _OPENERS).astype(np.int32) - np.isin(b, _CLOSERS).astype(np.int32)
+    return int(np.cumsum(step).max(initial=0))
 
 
 def _tensor(spec, frame) -> tuple[str, np.ndarray]:
     if not isinstance(spec, dict):
         raise ProtocolError("tensor spec is not an object")
     name, dtype, shape = spec.get("name"), spec.get("dtype"), spec.get("shape")
-    if not isinstance(name, str) or dtype not in DTYPES:
-        raise ProtocolError(f"tensor {name!r}: bad name or dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise ProtocolError(f"tensor {name!r}: bad shape {shape!r}")
+    if not isinstance(name, str) or len(name) > 64:
+        raise ProtocolError(f"tensor name {_short(name)} is not a short string")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ProtocolError(f"tensor {name!r}: bad dtype {_short(dtype)}")
+    count = _element_count(name, shape)
     buf = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
-    expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    expected = count * np.dtype(dtype).itemsize
     if buf.nbytes != expected:
         raise ProtocolError(f"tensor {name!r}: {buf.nbytes} bytes for shape {shape} {dtype} "
                             f"(expected {expected})")
     return name, np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def _element_count(name: str, shape) -> int:
+    """Elements of `shape`, checked (rank, each dimension, the product) in Python integers,
+    so no shape can overflow numpy's int64 or exceed its rank limit."""
+    if not isinstance(shape, list) or len(shape) > MAX_RANK:
+        raise ProtocolError(f"tensor {name!r}: shape must be a list of at most {MAX_RANK} "
+                            f"dimensions, not {_short(shape)}")
+    count = 1
+    for d in shape:
+        if not _is_int(d) or not 0 <= d <= MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"tensor {name!r}: bad shape {_short(shape)}")
+        count *= d
+        if count > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"tensor {name!r}: shape {_short(shape)} exceeds the "
+                                f"{MAX_MESSAGE_BYTES}-byte cap")
+    return count
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def frame_bytes(frames: list) -> tuple[int, int]:

@@ -96,3 +96,50 @@ def test_message_for_a_client_the_device_does_not_host_is_rejected():
     finally:
         s.close(linger=0)
         server.sock.close(linger=0)
+
+
+def _spec(shape, dtype="float32"):
+    return [{"name": "m", "dtype": dtype, "shape": shape}]
+
+
+@pytest.mark.parametrize("frames, what", [
+    ([b"[" * 100_000], "deeper"),                                   # RecursionError before
+    ([b'{"v": 1, "kind": ' + b"[" * 40 + b"]" * 40 + b"}"], "deeper"),
+    ([_header(tensors=_spec([2 ** 62, 4])), b"\0" * 16], "bad shape"),  # OverflowError before
+    ([_header(tensors=_spec([2 ** 20, 2 ** 20])), b"\0" * 16], "cap"),
+    ([_header(tensors=_spec([2 ** 70])), b"\0" * 16], "bad shape"),
+    ([_header(tensors=_spec([1] * 65)), b"\0" * 4], "at most 8"),   # ValueError in reshape before
+    ([_header(tensors=_spec([True, 4])), b"\0" * 16], "bad shape"),
+    ([_header(tensors=_spec(4)), b"\0" * 16], "shape must be a list"),
+    ([_header(tensors=_spec([4], dtype=["float32"])), b"\0" * 16], "dtype"),  # unhashable
+    ([_header(kind=["update"]), b"\0" * 16], "unknown message kind"),
+    ([_header(round=2 ** 70), b"\0" * 16], "round"),
+    ([_header(v=True), b"\0" * 16], "version"),
+    ([_header(meta=[]), b"\0" * 16], "meta"),
+    ([_header(run=5), b"\0" * 16], "run"),
+    ([b'{"v": 1, "round": ' + b"9" * 5000 + b"}"], "not JSON"),     # int() digit limit
+    ([_header(tensors=_spec([4]) * 2), b"\0" * 16, b"\0" * 16], "twice"),
+    ([b"x" * (2 << 20)], "header of"),
+    ([_header(tensors=[])] + [b""] * 17, "at most 16"),
+])
+def test_crafted_messages_raise_only_protocol_error(frames, what):
+    with pytest.raises(ProtocolError, match=what):
+        decode(frames)
+
+
+def test_random_and_mutated_frames_raise_only_protocol_error():
+    """Decoding random bytes and single-byte mutations of valid messages either yields a
+    message or raises ProtocolError: never another exception."""
+    rng = np.random.default_rng(0)
+    valid = encode(Message("update", 3, 7, tensors={"model": np.ones((2, 3), np.float32)},
+                           meta={"n": 50, "batch": 4}))
+    header = bytes(valid[0])
+    for _ in range(2000):
+        raw = bytearray(header)
+        for pos in rng.integers(0, len(raw), size=rng.integers(1, 4)):
+            raw[pos] = rng.integers(0, 256)
+        for frames in ([bytes(raw), bytes(valid[1])], [rng.bytes(int(rng.integers(0, 64)))]):
+            try:
+                decode(frames)
+            except ProtocolError:
+                pass
