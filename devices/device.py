@@ -4,8 +4,9 @@ It connects a DEALER socket to the server's ROUTER, says hello, receives its cli
 shard indices (never their data), loads the data itself from its own data root, and
 then answers tasks until told to shut down. Tasks of one kind and round arrive one
 message per client (so bytes are counted per client, as on real edge devices); the
-header says how many belong to this device's cohort, and the device processes the whole
-cohort in one vectorized call once the last one is in.
+header marks the last one of this device's cohort (a 0/1 flag, so a header's size does
+not depend on how clients are spread over devices), and the device processes the whole
+cohort in one vectorized call once it is in.
 
 Run by hand on another host:  flt device --connect tcp://SERVER:5555 --data-root DIR
 """
@@ -64,8 +65,8 @@ class Device:
 
     # -- loop -----------------------------------------------------------------------
     def run(self) -> int:
-        self.send(Message("hello", meta={"name": self.name, "pid": os.getpid(),
-                                         "threads": torch.get_num_threads()}))
+        # no pid: a newcomer's hello is billed, and its size must not vary between reruns
+        self.send(Message("hello", meta={"name": self.name, "threads": torch.get_num_threads()}))
         handlers = {"assign": self.on_assign, "reset": self.on_reset, "drift": self.on_drift}
         while True:
             if not self.sock.poll(1000):
@@ -164,7 +165,7 @@ class Device:
             os._exit(3)
         batch = self.pending.setdefault(msg.meta["batch"], [])
         batch.append(msg)
-        if len(batch) == msg.meta["cohort"]:
+        if msg.meta.get("last"):
             del self.pending[msg.meta["batch"]]
             self._process(batch)
 
@@ -187,11 +188,8 @@ class Device:
                                   meta={"reason": f"{type(exc).__name__}: {exc}", "for": kind,
                                         "batch": m.meta["batch"]}))
 
-    def _generator(self, batch: list[Message]) -> torch.Generator:
-        # seeded by the server's per-round seed and the cohort: reruns give the same result
-        seed = batch[0].meta.get("seed", 0) * 1_000_003 + sum(m.client for m in batch)
-        torch.manual_seed(seed)  # dropout under vmap draws from the global generator
-        return torch.Generator().manual_seed(seed)
+    def _generators(self, batch: list[Message]) -> list[torch.Generator]:
+        return [client_generator(m.meta.get("seed", 0), m.client) for m in batch]
 
     def _start_models(self, batch: list[Message]) -> list[torch.Tensor]:
         """Candidate models [K, P] per message: the ones sent, or the device's own copy."""
@@ -208,7 +206,7 @@ class Device:
         return rows
 
     def train(self, batch: list[Message]) -> list[Message]:
-        gen = self._generator(batch)
+        gens = self._generators(batch)
         shards = [self.shards[m.client] for m in batch]
         xs, ys = [s.x for s in shards], [s.y for s in shards]
         candidates = self._start_models(batch)
@@ -219,14 +217,12 @@ class Device:
         m0 = batch[0].meta
         cfg = TrainConfig(epochs=m0["epochs"], batch_size=m0["batch_size"], lr=m0["lr"],
                           prox_mu=m0.get("prox_mu", 0.0), vectorize=m0.get("vectorize", True))
-        tic = time.perf_counter()
-        trained, losses = self.trainer.train(start, xs, ys, cfg, gen)
-        seconds = (time.perf_counter() - tic) / len(batch)
+        trained, losses = self.trainer.train(start, xs, ys, cfg, gens)
         replies = []
         for i, m in enumerate(batch):
             meta = {"batch": m.meta["batch"], "n": len(xs[i]), "loss": float(losses[i]),
                     "choice": choice[i], "flag": int(m.client in self.flags),
-                    "compute_s": seconds, "steps": -(-len(xs[i]) // cfg.batch_size) * cfg.epochs}
+                    "steps": -(-len(xs[i]) // cfg.batch_size) * cfg.epochs}
             # the flag stays up until the client re-embeds: an update the server drops
             # (a straggler) must not lose it
             if m.meta.get("resident"):
@@ -263,14 +259,25 @@ class Device:
         elif meta["format"] == "linear":
             embs = embedding.embed_linear(t["components"], t["mean"], xs)
         else:
-            embs = embedding.embed_finetuned(t["weights"], meta, xs, self._generator(batch))
+            embs = embedding.embed_finetuned(t["weights"], meta, xs, self._generators(batch))
         out = []
         for m, e in zip(batch, embs):
-            c = embedding.centroids(e, meta["k"], seed=meta["seed"] + m.client)
+            c = embedding.centroids(e, meta["k"], seed=client_seed(meta["seed"], m.client))
             self.flags.discard(m.client)
             out.append(Message("centroids", m.round, m.client, tensors={"centroids": c},
                                meta={"batch": m.meta["batch"], "n": len(e)}))
         return out
+
+
+def client_generator(seed: int, client: int) -> torch.Generator:
+    """The client's own stream for one task, from (the server's per-round seed, client):
+    its result does not depend on which device or cohort it shares."""
+    return torch.Generator().manual_seed(client_seed(seed, client))
+
+
+def client_seed(seed: int, client: int) -> int:
+    """A 32-bit seed mixed from (seed, client) (sklearn's k-means takes 32 bits)."""
+    return int(np.random.SeedSequence([int(seed), int(client)]).generate_state(1)[0])
 
 
 def _split(t: dict, name: str) -> list[np.ndarray]:

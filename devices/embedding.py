@@ -38,15 +38,16 @@ def embed_linear(components: np.ndarray, mean: np.ndarray, xs: list[torch.Tensor
 
 
 def embed_finetuned(weights: np.ndarray, meta: dict, xs: list[torch.Tensor],
-                    gen: torch.Generator) -> list[np.ndarray]:
-    """Each client fine-tunes its own copy of the autoencoder (vectorized), then embeds."""
+                    gens: list[torch.Generator]) -> list[np.ndarray]:
+    """Each client fine-tunes its own copy of the autoencoder (vectorized), then embeds;
+    gens[i] is client i's own generator (its batch order)."""
     ae = ConvAE(tuple(meta["in_shape"]), meta["latent"])
     spec = param_spec(ae)
     ft = meta["finetune"]
     cfg = TrainConfig(epochs=ft["epochs"], batch_size=ft["batch_size"], lr=ft["lr"],
                       loss="mse", optimizer="adam")
     start = torch.from_numpy(np.array(weights, dtype=np.float32)).expand(len(xs), -1)
-    tuned, _ = CohortTrainer(ae, spec).train(start, xs, [torch.zeros(len(x)) for x in xs], cfg, gen)
+    tuned, _ = CohortTrainer(ae, spec).train(start, xs, [torch.zeros(len(x)) for x in xs], cfg, gens)
     ae.eval()  # no dropout/BN in the ConvAE, but embed in eval mode regardless
     offsets = np.cumsum((0,) + spec.numel)
     enc = {n[len("encoder."):]: tuned[:, offsets[i]:offsets[i + 1]].view(len(xs), *spec.shapes[i])

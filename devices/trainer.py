@@ -6,6 +6,10 @@ every SGD step runs `torch.func.vmap` over the cohort. Clients with fewer sample
 than the largest one get zero-weight padding, so their extra steps change nothing.
 `vectorize=False` runs the textbook per-client loop with the same batches; it is the
 reference the benchmark and the tests compare against.
+
+Every random draw (batch order, dropout masks) comes from the client's own generator,
+and padding changes nothing, so a client's result does not depend on which device or
+cohort it shares: reruns with another number of device processes give the same bytes.
 """
 from __future__ import annotations
 
@@ -40,22 +44,53 @@ def _pad(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lengths
 
 
-def epoch_batches(lengths: torch.Tensor, batch_size: int, gen: torch.Generator):
-    """Per-client shuffled sample order for one epoch, cut into steps.
+def epoch_batches(lengths: torch.Tensor, batch_size: int, gens: list[torch.Generator]):
+    """Per-client shuffled sample order for one epoch, cut into steps; client i's order
+    is drawn from gens[i] alone.
 
     Returns order [B, S, batch] (indices into each client's padded data) and
     weight [B, S, batch] (1 for a real sample, 0 for padding)."""
     b, nmax = len(lengths), int(lengths.max())
     steps = math.ceil(nmax / batch_size)
-    keys = torch.rand(b, nmax, generator=gen)
-    keys[torch.arange(nmax)[None, :] >= lengths[:, None]] = 2.0  # padding sorts last
-    order = keys.argsort(dim=1)
-    pad = steps * batch_size - nmax
-    order = F.pad(order, (0, pad))
+    order = torch.zeros(b, steps * batch_size, dtype=torch.int64)
+    for i, (n, g) in enumerate(zip(lengths.tolist(), gens)):  # one draw per client
+        order[i, :n] = torch.randperm(n, generator=g)
     pos = torch.arange(steps * batch_size)[None, :]
     # a client with n samples uses ceil(n/batch) steps: its last batch may be short
     weight = (pos < lengths[:, None]).float()
     return order.view(b, steps, batch_size), weight.view(b, steps, batch_size)
+
+
+def _generators(gens, b: int) -> list[torch.Generator]:
+    """One generator per client; a single shared one (benchmarks) is drawn in client order."""
+    return [gens] * b if isinstance(gens, torch.Generator) else list(gens)
+
+
+class SeededDropout(torch.nn.Module):
+    """Dropout whose uniform noise is an input (buffer `noise`, [batch, *features]) drawn
+    from each client's own generator, instead of the global generator that vmap shares
+    across the cohort."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+        self.register_buffer("noise", torch.zeros(0), persistent=False)
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        return x * (self.noise >= self.p).to(x.dtype) / (1.0 - self.p)
+
+
+def _seed_dropouts(model: torch.nn.Module) -> list[str]:
+    """Replace every nn.Dropout by SeededDropout; return their module names."""
+    names = []
+    for name, mod in list(model.named_modules()):
+        for child_name, child in list(mod.named_children()):
+            if type(child) is torch.nn.Dropout:
+                setattr(mod, child_name, SeededDropout(child.p))
+                names.append(f"{name}.{child_name}" if name else child_name)
+    return names
 
 
 def _sample_loss(out, x, y, kind):
@@ -69,20 +104,52 @@ class CohortTrainer:
 
     def __init__(self, model: torch.nn.Module, spec: ParamSpec):
         self.model, self.spec = model, spec
+        self.dropouts = _seed_dropouts(model)
+        self._noise_shapes: dict[str, tuple] | None = None
+
+    def _epoch_noise(self, lengths: torch.Tensor, steps: int, batch_size: int, gens,
+                     sample: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Uniform noise [B, S, batch, *features] for every dropout layer, client i's
+        drawn from gens[i] (its padding steps get zeros and never train)."""
+        out = {}
+        for name, shape in self._dropout_shapes(sample).items():
+            noise = torch.zeros((len(gens), steps * batch_size) + shape)
+            for i, (n, g) in enumerate(zip(lengths.tolist(), gens)):
+                noise[i, :n] = torch.rand((n,) + shape, generator=g)
+            out[f"{name}.noise"] = noise.view((len(gens), steps, batch_size) + shape)
+        return out
+
+    def _dropout_shapes(self, sample: torch.Tensor) -> dict[str, tuple]:
+        """Feature shape at each dropout layer, from one dry forward of one sample."""
+        if self._noise_shapes is None:
+            shapes: dict[str, tuple] = {}
+            hooks = [self.model.get_submodule(n).register_forward_pre_hook(
+                lambda mod, args, n=n: shapes.__setitem__(n, tuple(args[0].shape[1:])))
+                for n in self.dropouts]
+            try:
+                with torch.no_grad():
+                    self.model.eval()(sample[:1])
+            finally:
+                for h in hooks:
+                    h.remove()
+            self._noise_shapes = shapes
+        return self._noise_shapes
 
     # -- training -------------------------------------------------------------------
     def train(self, start: torch.Tensor, xs: list[torch.Tensor], ys: list[torch.Tensor],
-              cfg: TrainConfig, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Train B clients from start [B, P]; return (trained [B, P], mean loss [B])."""
+              cfg: TrainConfig, gens) -> tuple[torch.Tensor, torch.Tensor]:
+        """Train B clients from start [B, P]; return (trained [B, P], mean loss [B]).
+        `gens`: one torch.Generator per client (its batch order and dropout)."""
+        gens = _generators(gens, len(xs))
         if cfg.vectorize:
-            return self._train_vmap(start, xs, ys, cfg, gen)
-        return self._train_loop(start, xs, ys, cfg, gen)
+            return self._train_vmap(start, xs, ys, cfg, gens)
+        return self._train_loop(start, xs, ys, cfg, gens)
 
     def _loss_fn(self, cfg: TrainConfig):
         model, kind, mu = self.model, cfg.loss, cfg.prox_mu
 
-        def loss(params, anchor, x, y, w):
-            per_sample = _sample_loss(functional_call(model, params, (x,)), x, y, kind)
+        def loss(params, anchor, x, y, w, noise):
+            per_sample = _sample_loss(functional_call(model, {**params, **noise}, (x,)), x, y, kind)
             active = w.sum()
             value = (per_sample * w).sum() / active.clamp(min=1.0)
             if mu > 0:  # FedProx: (mu/2)||w - w_global||^2, only on steps that train
@@ -92,33 +159,42 @@ class CohortTrainer:
 
         return loss
 
-    def _train_vmap(self, start, xs, ys, cfg, gen):
-        self.model.train()
+    def _train_vmap(self, start, xs, ys, cfg, gens):
         flat = start.clone().float()
         params, anchor = unflatten(flat, self.spec), unflatten(start.float(), self.spec)
         xpad, lengths = _pad(xs)
         ypad, _ = _pad(ys)
         rows = torch.arange(len(xs))[:, None]
-        step = vmap(grad(self._loss_fn(cfg), has_aux=True), randomness="different")
+        # "error": any random op left in the model would draw from a generator the whole
+        # cohort shares, and make a client's result depend on its cohort
+        step = vmap(grad(self._loss_fn(cfg), has_aux=True), randomness="error")
         opt = _StackedOptimizer(flat, cfg)
         total, count = torch.zeros(len(xs)), torch.zeros(len(xs))
         for _ in range(cfg.epochs):
-            order, weight = epoch_batches(lengths, cfg.batch_size, gen)
+            order, weight = epoch_batches(lengths, cfg.batch_size, gens)
+            noise = self._epoch_noise(lengths, order.shape[1], cfg.batch_size, gens, xs[0])
+            self.model.train()
             for s in range(order.shape[1]):
                 idx, w = order[:, s], weight[:, s]
-                grads, loss = step(params, anchor, xpad[rows, idx], ypad[rows, idx], w)
-                opt.step(grads, params)
+                grads, loss = step(params, anchor, xpad[rows, idx], ypad[rows, idx], w,
+                                   {k: v[:, s] for k, v in noise.items()})
                 active = w.sum(1) > 0
+                opt.step(grads, params, active)
                 total += loss * active
                 count += active
         return flat, total / count.clamp(min=1)
 
-    def _train_loop(self, start, xs, ys, cfg, gen):
-        """Reference: one client at a time, torch.optim, same batches as the vmap path."""
-        self.model.train()
+    def _train_loop(self, start, xs, ys, cfg, gens):
+        """Reference: one client at a time, torch.optim, same batches and dropout masks
+        as the vmap path."""
         out, losses = start.clone().float(), torch.zeros(len(xs))
         lengths = torch.tensor([len(x) for x in xs])
-        orders = [epoch_batches(lengths, cfg.batch_size, gen) for _ in range(cfg.epochs)]
+        orders = []
+        for _ in range(cfg.epochs):  # the same draws, in the same order, as _train_vmap
+            order, weight = epoch_batches(lengths, cfg.batch_size, gens)
+            orders.append((order, weight, self._epoch_noise(lengths, order.shape[1], cfg.batch_size,
+                                                            gens, xs[0])))
+        self.model.train()
         loss_fn = self._loss_fn(cfg)
         for i, (x, y) in enumerate(zip(xs, ys)):
             params = {k: v.clone().requires_grad_(True)
@@ -127,14 +203,15 @@ class CohortTrainer:
             opt = (torch.optim.SGD if cfg.optimizer == "sgd" else torch.optim.Adam)(
                 params.values(), lr=cfg.lr)
             seen, acc = 0, 0.0
-            for order, weight in orders:
+            for order, weight, noise in orders:
                 for s in range(order.shape[1]):
                     n = int(weight[i, s].sum())
                     if n == 0:
                         continue
                     idx = order[i, s, :n]
                     opt.zero_grad()
-                    value, _ = loss_fn(params, anchor, x[idx], y[idx], torch.ones(n))
+                    value, _ = loss_fn(params, anchor, x[idx], y[idx], torch.ones(n),
+                                       {k: v[i, s, :n] for k, v in noise.items()})
                     value.backward()
                     opt.step()
                     seen, acc = seen + 1, acc + float(value.detach())
@@ -156,10 +233,13 @@ class CohortTrainer:
         for lo in range(0, xpad.shape[1], chunk):  # chunks bound memory on big test shards
             x, y = xpad[:, lo:lo + chunk], ypad[:, lo:lo + chunk]
             logits = fwd(params, x)
-            valid = (torch.arange(lo, lo + x.shape[1])[None, :] < lengths[:, None]).float()
-            correct += ((logits.argmax(-1) == y).float() * valid).sum(1)
-            ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
-            loss += (ce.view_as(valid) * valid).sum(1)
+            hit = (logits.argmax(-1) == y).float()
+            ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(hit)
+            # each client's sum over its own samples only: how much padding the cohort
+            # needs must not change the rounding of a client's loss
+            for i, n in enumerate((lengths - lo).clamp(0, x.shape[1]).tolist()):
+                correct[i] += hit[i, :n].sum()
+                loss[i] += ce[i, :n].sum()
         return correct, lengths.float(), loss / lengths.clamp(min=1)
 
     @torch.no_grad()
@@ -179,16 +259,22 @@ class _StackedOptimizer:
             self.m, self.v = {}, {}
 
     @torch.no_grad()
-    def step(self, grads: dict, params: dict):
+    def step(self, grads: dict, params: dict, active: torch.Tensor):
+        """`active` [B]: clients with a real sample in this step. A padding step has zero
+        gradient, which leaves SGD unchanged, but Adam must skip it outright."""
         lr = self.cfg.lr
         if self.cfg.optimizer == "sgd":
             for k, g in grads.items():
                 params[k].sub_(g, alpha=lr)  # no temporary the size of the stack
             return
-        self.t += 1
+        self.t = self.t + active.double()  # each client's own step count
         b1, b2, eps = 0.9, 0.999, 1e-8
         for k, g in grads.items():
-            m = self.m.setdefault(k, torch.zeros_like(g)).mul_(b1).add_(g, alpha=1 - b1)
-            v = self.v.setdefault(k, torch.zeros_like(g)).mul_(b2).addcmul_(g, g, value=1 - b2)
-            mhat, vhat = m / (1 - b1 ** self.t), v / (1 - b2 ** self.t)
-            params[k].sub_(lr * mhat / (vhat.sqrt() + eps))
+            on = active.view((-1,) + (1,) * (g.dim() - 1))
+            t = self.t.clamp(min=1).view_as(on)
+            m = self.m.setdefault(k, torch.zeros_like(g))
+            v = self.v.setdefault(k, torch.zeros_like(g))
+            m.copy_(torch.where(on, b1 * m + (1 - b1) * g, m))
+            v.copy_(torch.where(on, b2 * v + (1 - b2) * g * g, v))
+            mhat, vhat = m / (1 - b1 ** t).float(), v / (1 - b2 ** t).float()
+            params[k].sub_(torch.where(on, lr * mhat / (vhat.sqrt() + eps), 0.0))

@@ -3,7 +3,9 @@
 Every message that crosses the socket, either way, is counted here by round, client,
 direction and traffic class (model, embedding, encoder, evaluation, control), split
 into tensor payload and protocol overhead (header + routing frames). Malformed or
-unexpected messages are rejected, logged and counted; they never stop the server.
+unexpected messages are rejected, counted by reason with their bytes (apart from every
+method's traffic), logged at a bounded rate and dropped at once; they never stop the
+server.
 """
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from typing import Callable
 import numpy as np
 import zmq
 
-from models.wire import TRAFFIC_CLASSES, Message, ProtocolError, decode, encode, frame_bytes
-from scenarios.errors import DeviceError
+from models.wire import (MAX_HEADER_BYTES, TRAFFIC_CLASSES, Message, ProtocolError, decode, encode,
+                         frame_bytes)
+from scenarios.errors import DeviceError, short
 
 log = logging.getLogger("flt.server")
 
@@ -26,13 +29,46 @@ class DeviceLost(RuntimeError):
     pass
 
 
+SETUP_KINDS = ("hello", "ready", "error")  # what a device sends outside a task
+LOG_FIRST, LOG_EVERY_S = 5, 10.0            # rejections logged one by one, then summarised
+
+
+class Rejections:
+    """Messages the server read but did not accept, and their bytes, by reason."""
+
+    def __init__(self):
+        self.by_reason: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # reason -> [messages, bytes]
+
+    def add(self, reason: str, nbytes: int) -> int:
+        """Count one message; returns how many of this reason so far."""
+        row = self.by_reason[reason]
+        row[0] += 1
+        row[1] += nbytes
+        return row[0]
+
+    @property
+    def messages(self) -> int:
+        return sum(n for n, _ in self.by_reason.values())
+
+    def summary(self) -> dict:
+        return {"rejected_messages": self.messages,
+                "rejected_bytes": sum(b for _, b in self.by_reason.values()),
+                "rejected_reasons": {r: {"messages": n, "bytes": b}
+                                     for r, (n, b) in sorted(self.by_reason.items())}}
+
+
 class Ledger:
-    """Bytes on the wire: totals per (round, direction, class) and per client."""
+    """Bytes on the wire: totals per (round, direction, class) and per client. Rejected
+    messages are kept apart (`rejections`): they are never a method's traffic."""
 
     def __init__(self):
         self.rows: dict[tuple[int, str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
         self.per_client: dict[int, list[int]] = defaultdict(lambda: [0, 0])
-        self.rejected = 0
+        self.rejections = Rejections()
+
+    @property
+    def rejected(self) -> int:
+        return self.rejections.messages
 
     def add(self, rnd: int, client: int, direction: str, traffic: str, payload: int, overhead: int):
         row = self.rows[(rnd, direction, traffic)]
@@ -57,6 +93,7 @@ class Ledger:
     def reset(self):
         self.rows.clear()
         self.per_client.clear()
+        self.rejections = Rejections()
 
 
 class Transport:
@@ -73,7 +110,9 @@ class Transport:
         self.lost_devices: set[str] = set()
         self.batches = itertools.count(1)
         self.alive: Callable[[str], bool] = lambda name: True
-        self.backlog: list[tuple[str, Message]] = []  # hellos that arrive while waiting for other replies
+        self.rejections = Rejections()              # the whole run's; the ledger's are per method
+        self._logged_at: dict[str, float] = {}      # reason -> when its last summary line was logged
+        self.limit_inbound(MAX_HEADER_BYTES)
 
     # -- raw send / receive -----------------------------------------------------------
     def send(self, device: str, msg: Message) -> None:
@@ -86,9 +125,28 @@ class Transport:
             raise DeviceLost(f"device {device!r} is not connected ({exc})") from None
         self.ledger.add(msg.round, msg.client, "down", msg.traffic, payload, header + len(ident))
 
-    def recv(self, timeout_s: float) -> tuple[str, Message] | None:
-        """Next valid message, or None after timeout. Bad messages are counted and skipped."""
+    def limit_inbound(self, largest_message: int) -> None:
+        """ZeroMQ drops a frame larger than this (and disconnects its peer) before the
+        server reads or allocates it. Applies to connections made after the call: set it
+        from the run's largest legitimate inbound frame (a model) before devices start."""
+        self.sock.setsockopt(zmq.MAXMSGSIZE, int(max(largest_message, MAX_HEADER_BYTES)))
+
+    def recv(self, timeout_s: float, kinds=SETUP_KINDS) -> tuple[str, Message] | None:
+        """Next valid message of one of `kinds`, counted in the ledger, or None after the
+        timeout. Anything else is rejected, counted by reason and dropped."""
         deadline = time.monotonic() + timeout_s
+        while (got := self._next(deadline)) is not None:
+            ident, msg, size = got
+            if msg.kind in kinds:
+                self._account(msg, size)
+                return ident, msg
+            self.reject("unexpected kind", ident, size, f"{msg.kind} (client {msg.client})")
+        return None
+
+    def _next(self, deadline: float) -> tuple[str, Message, tuple[int, int]] | None:
+        """Next message that decodes, comes from a device that said hello (or is a hello)
+        and, if it names a client, from the device hosting it; not yet accounted.
+        Returns (device, message, (payload, overhead bytes))."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
@@ -98,16 +156,37 @@ class Transport:
             try:
                 msg = decode(frames[1:])
             except ProtocolError as exc:
-                self.ledger.rejected += 1
-                log.error("rejected malformed message from %r: %s", ident, exc)
-                continue
-            if msg.client >= 0 and self.client_device.get(msg.client) not in (None, ident):
-                self.ledger.rejected += 1
-                log.error("rejected %s from %r for client %d it does not host", msg.kind, ident, msg.client)
+                self.reject("malformed", ident, (sum(len(f) for f in frames), 0), str(exc))
                 continue
             payload, header = frame_bytes(frames[1:])
-            self.ledger.add(msg.round, msg.client, "up", msg.traffic, payload, header + len(frames[0]))
-            return ident, msg
+            size = (payload, header + len(frames[0]))
+            if msg.kind != "hello" and ident not in self.devices:
+                self.reject("unknown device", ident, size, f"{msg.kind} (client {msg.client})")
+            elif msg.client >= 0 and self.client_device.get(msg.client) != ident:
+                self.reject("wrong client", ident, size, f"{msg.kind} for client {msg.client}, "
+                            f"hosted by {self.client_device.get(msg.client)!r}")
+            else:
+                return ident, msg, size
+
+    def _account(self, msg: Message, size: tuple[int, int]) -> None:
+        self.ledger.add(msg.round, msg.client, "up", msg.traffic, *size)
+
+    def reject(self, reason: str, ident: str, size: tuple[int, int], detail: str) -> None:
+        """Count a message the server will not use, apart from every method's traffic, and
+        log it: the first few of each reason one by one, then one line per reason at most
+        every LOG_EVERY_S seconds (a flood must not flood the log)."""
+        nbytes = sum(size)
+        self.ledger.rejections.add(reason, nbytes)
+        n = self.rejections.add(reason, nbytes)
+        now = time.monotonic()
+        if n <= LOG_FIRST:
+            log.warning("rejected (%s) from %s: %s", reason, short(ident, 40), short(detail, 300))
+        elif now - self._logged_at.get(reason, 0.0) >= LOG_EVERY_S:
+            log.warning("rejected %d messages so far for %s (latest from %s: %s)", n, reason,
+                        short(ident, 40), short(detail, 120))
+        else:
+            return
+        self._logged_at[reason] = now
 
     # -- devices ----------------------------------------------------------------------
     def wait_devices(self, n: int, timeout_s: float) -> list[str]:
@@ -127,19 +206,6 @@ class Transport:
         self.devices[ident] = msg.meta
         log.info("device %s connected (pid %s)", ident, msg.meta.get("pid"))
 
-    def poll_hellos(self) -> list[str]:
-        """Devices that connected since the last call (newcomers mid-run)."""
-        new = []
-        while (got := self.recv(0.0)) is not None:
-            if got[1].kind == "hello":
-                self._hello(*got)
-                new.append(got[0])
-        for ident, msg in self.backlog:
-            self._hello(ident, msg)
-            new.append(ident)
-        self.backlog.clear()
-        return new
-
     def broadcast(self, msg: Message, devices=None) -> None:
         for d in devices or self.active_devices():
             self.send(d, msg)
@@ -149,12 +215,15 @@ class Transport:
 
     # -- tasks ------------------------------------------------------------------------
     def gather(self, tasks: dict[int, Message], reply: str, timeout_s: float,
-               on_reply: Callable[[int, Message], None] | None = None) -> dict[int, Message]:
+               on_reply: Callable[[int, Message], None] | None = None,
+               check: Callable[[int, Message], tuple[str, str] | None] | None = None) -> dict[int, Message]:
         """Send one message per client, collect one reply per client.
 
-        Each device learns its cohort size from the header, so it can process its
-        clients in one call. Returns the replies that came before the deadline; clients
-        whose device died or timed out are logged and left out."""
+        The header marks each device's last message ("last": 0/1, the same size
+        whatever the split), so it can process its clients in one call. Returns the replies that came before the deadline; clients
+        whose device died or timed out are logged and left out. `check(client, reply)`
+        returns (reason, detail) for a reply whose content the server knows is wrong: it
+        is rejected like a malformed one, and its client left out."""
         batch = next(self.batches)
         by_device: dict[str, list[int]] = defaultdict(list)
         for cid in tasks:
@@ -164,9 +233,9 @@ class Transport:
             if device in self.lost_devices:
                 continue
             try:
-                for cid in cids:
+                for i, cid in enumerate(cids):
                     msg = tasks[cid]
-                    msg.meta = {**msg.meta, "batch": batch, "cohort": len(cids)}
+                    msg.meta = {**msg.meta, "batch": batch, "last": int(i == len(cids) - 1)}
                     self.send(device, msg)
                 waiting.update(cids)
             except DeviceLost as exc:
@@ -174,7 +243,7 @@ class Transport:
         results: dict[int, Message] = {}
         deadline = time.monotonic() + timeout_s
         while waiting:
-            got = self.recv(min(0.5, max(0.0, deadline - time.monotonic())))
+            got = self._next(min(time.monotonic() + 0.5, deadline))
             if got is None:
                 self._drop_dead(waiting)
                 if time.monotonic() >= deadline:
@@ -182,23 +251,34 @@ class Transport:
                               timeout_s, sorted(waiting)[:20])
                     break
                 continue
-            ident, msg = got
-            if msg.kind == "hello":
-                self.backlog.append((ident, msg))
-            elif msg.meta.get("batch") != batch or msg.client not in waiting:
-                log.warning("stale or unexpected %s from %r (client %d) ignored", msg.kind, ident, msg.client)
-            elif msg.kind == "error":
-                log.error("client %d on %s failed: %s", msg.client, ident, msg.meta.get("reason"))
-                waiting.discard(msg.client)
-            elif msg.kind != reply:
-                self.ledger.rejected += 1
-                log.error("expected %s from client %d, got %s", reply, msg.client, msg.kind)
-            else:
-                waiting.discard(msg.client)
-                results[msg.client] = msg
-                if on_reply:
-                    on_reply(msg.client, msg)
+            ident, msg, size = got
+            bad = self._unwanted(msg, batch, waiting, reply) or (check and msg.kind == reply and
+                                                                 check(msg.client, msg))
+            if bad:
+                self.reject(*bad[:1], ident, size, f"{msg.kind} for client {msg.client}: {bad[1]}")
+                if bad[0] not in ("stale", "unexpected kind", "hello mid-run"):
+                    waiting.discard(msg.client)  # its one reply was wrong: no other will come
+                continue
+            self._account(msg, size)
+            waiting.discard(msg.client)
+            if msg.kind == "error":
+                log.error("client %d on %s failed: %s", msg.client, ident, short(msg.meta.get("reason"), 300))
+                continue
+            results[msg.client] = msg
+            if on_reply:
+                on_reply(msg.client, msg)
         return results
+
+    @staticmethod
+    def _unwanted(msg: Message, batch: int, waiting: set[int], reply: str) -> tuple[str, str] | None:
+        """Why a message from a valid device is not a reply this gather wants, or None."""
+        if msg.kind == "hello":  # devices join only while the emulator waits for them
+            return "hello mid-run", "not waiting for devices"
+        if msg.meta.get("batch") != batch or msg.client not in waiting:
+            return "stale", f"batch {short(msg.meta.get('batch'), 20)}, now {batch}"
+        if msg.kind not in (reply, "error"):
+            return "unexpected kind", f"expected {reply}"
+        return None
 
     def _drop_dead(self, waiting: set[int]) -> None:
         for device in {self.client_device[c] for c in waiting}:
