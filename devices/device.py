@@ -153,6 +153,11 @@ class Device:
 
     # -- cohorts --------------------------------------------------------------------
     def collect(self, msg: Message) -> None:
+        batch_id = msg.meta.get("batch")
+        if not isinstance(batch_id, int) or isinstance(batch_id, bool):  # a cohort's key: must hash
+            self.rejected += 1
+            log.error("%s: %s without an integer batch id rejected", self.name, msg.kind)
+            return
         if msg.client not in self.shards:
             self.rejected += 1
             log.error("%s: task for unknown client %d rejected", self.name, msg.client)

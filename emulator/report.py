@@ -34,7 +34,7 @@ def method_summary(spec: dict, history: list[dict], strategy, transport: Transpo
         "bytes_down": sum(payload["down"].values()) + overhead["down"],
         "formula_payload_bytes": measured,
         "expected": expected,
-        "rejected_messages": transport.ledger.rejected,
+        **transport.ledger.rejections.summary(),  # messages, bytes and reasons, never traffic
         "lost_clients": transport.lost_clients().tolist(),
         "setup_s": history[0]["setup_s"] if history else 0.0,
         "wall_s": history[-1]["wall_s"] if history else 0.0,

@@ -196,7 +196,8 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
     n_proc = min(os.cpu_count() or 1 if n_proc is None else n_proc, partition.n_clients)
     # the server's own tensor work is light; leave the cores to the device processes
     torch.set_num_threads(max(1, (os.cpu_count() or 1) - n_proc * cfg["devices"]["threads"]))
-    transport = Transport(cfg["devices"]["bind"])
+    transport = Transport(cfg["devices"]["bind"],
+                          max_inbound=init.numel() * init.element_size())  # devices upload one model at most
     fleet = processes.DeviceFleet(transport.endpoint, run_dir / "logs", cfg["devices"]["threads"],
                                   cfg["devices"]["crash"])
     transport.alive = fleet.alive
@@ -219,7 +220,8 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
                       n_train=np.array([len(t) for t in partition.train]),
                       device=aggregation_device(), seed=cfg["seed"], run_dir=run_dir,
                       truth=partition.cluster.copy(), train=cfg["train"], scenario=cfg, public=public)
-        fed = Federation(transport, cfg["train"], cfg["seed"], cfg["devices"]["round_timeout_s"], ctx.device)
+        fed = Federation(transport, cfg["train"], cfg["seed"], cfg["devices"]["round_timeout_s"], ctx.device,
+                         shard_sizes=lambda c: (len(partition.train[c]), len(partition.test[c])))
         dynamics = Dynamics(transport, fleet, partition, meta, ctx, cfg, progress)
         profiles = assign_profiles(cfg["population"]["profiles"], partition.n_clients, cfg["seed"])
         for spec in cfg["methods"]:
@@ -236,6 +238,7 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
         transport.close()
         fleet.stop()
         summary["device_exit_codes"] = fleet.exit_codes()
+        summary["rejected"] = transport.rejections.summary()  # the whole run's, start-up included
         report.write_summary(run_dir, summary)
     return run_dir
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from models.wire import Message
+from server.replies import ShardSizes, centroids_check, metrics_check, update_check
 from server.strategies.base import Result, Strategy, Task
 from server.transport import Transport
 
@@ -27,8 +28,9 @@ log = logging.getLogger("flt.server")
 
 class Federation:
     def __init__(self, transport: Transport, train_cfg: dict, seed: int, timeout_s: float,
-                 device: torch.device):
+                 device: torch.device, shard_sizes: ShardSizes | None = None):
         self.transport, self.cfg, self.seed = transport, train_cfg, seed
+        self.shard_sizes = shard_sizes  # replies' sample counts and totals are checked against it
         self.timeout_s, self.device = timeout_s, device
         self.method = ""
         self.present = np.zeros(0, dtype=np.int64)       # clients in the population now
@@ -48,7 +50,8 @@ class Federation:
             tensors = {} if t.models is None else {"model": t.models.detach().cpu().numpy()}
             delay = {"delay_s": delays[c]} if delays else {}
             msgs[c] = Message("train", rnd, c, tensors=tensors, meta={**base, **t.meta, **delay})
-        replies = self.transport.gather(msgs, "update", timeout_s or self.timeout_s)
+        replies = self.transport.gather(msgs, "update", timeout_s or self.timeout_s,
+                                        check=update_check(msgs, self.shard_sizes))
         self.round_bytes = {c: (sum(t.nbytes for t in msgs[c].tensors.values()),
                                 sum(t.nbytes for t in r.tensors.values())) for c, r in replies.items()}
         return {c: Result(self._tensor(r, "model"), int(r.meta["n"]), r.meta) for c, r in replies.items()}
@@ -66,7 +69,7 @@ class Federation:
         for c, r in zip(clients.tolist(), rows.tolist()):
             tensors = {} if host is None else {"model": host[r:r + 1]}
             msgs[c] = Message("evaluate", rnd, c, tensors=tensors, meta={"resident": host is None})
-        replies = self.transport.gather(msgs, "metrics", self.timeout_s)
+        replies = self.transport.gather(msgs, "metrics", self.timeout_s, check=metrics_check(self.shard_sizes))
         return {c: m.meta for c, m in replies.items()}
 
     def embed(self, rnd: int, clients, tensors: dict[str, np.ndarray], meta: dict) -> dict[int, np.ndarray]:
@@ -74,7 +77,9 @@ class Federation:
         collect its k x e centroids."""
         msgs = {int(c): Message("encoder", rnd, int(c), tensors=tensors,
                                 meta={**meta, "seed": self._seed(rnd, 1)}) for c in clients}
-        replies = self.transport.gather(msgs, "centroids", self.timeout_s * 4)
+        k = meta.get("k")  # "auto" picks k in 2..10 on the device
+        replies = self.transport.gather(msgs, "centroids", self.timeout_s * 4,
+                                        check=centroids_check(self.shard_sizes, k if isinstance(k, int) else 10))
         return {c: m.tensors["centroids"].copy() for c, m in replies.items()}
 
 

@@ -97,11 +97,12 @@ class Ledger:
 
 
 class Transport:
-    def __init__(self, endpoint: str = "tcp://127.0.0.1:*"):
+    def __init__(self, endpoint: str = "tcp://127.0.0.1:*", max_inbound: int = MAX_HEADER_BYTES):
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone device raises, not drops
+        self._limit_inbound(max_inbound)            # before bind: the listener copies it
         self.sock.bind(endpoint)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.ledger = Ledger()
@@ -112,7 +113,6 @@ class Transport:
         self.alive: Callable[[str], bool] = lambda name: True
         self.rejections = Rejections()              # the whole run's; the ledger's are per method
         self._logged_at: dict[str, float] = {}      # reason -> when its last summary line was logged
-        self.limit_inbound(MAX_HEADER_BYTES)
 
     # -- raw send / receive -----------------------------------------------------------
     def send(self, device: str, msg: Message) -> None:
@@ -125,10 +125,10 @@ class Transport:
             raise DeviceLost(f"device {device!r} is not connected ({exc})") from None
         self.ledger.add(msg.round, msg.client, "down", msg.traffic, payload, header + len(ident))
 
-    def limit_inbound(self, largest_message: int) -> None:
-        """ZeroMQ drops a frame larger than this (and disconnects its peer) before the
-        server reads or allocates it. Applies to connections made after the call: set it
-        from the run's largest legitimate inbound frame (a model) before devices start."""
+    def _limit_inbound(self, largest_message: int) -> None:
+        """ZeroMQ drops a frame larger than the run's largest legitimate inbound frame (a
+        model, or a header at its cap) and disconnects its peer, before the server reads or
+        allocates it."""
         self.sock.setsockopt(zmq.MAXMSGSIZE, int(max(largest_message, MAX_HEADER_BYTES)))
 
     def recv(self, timeout_s: float, kinds=SETUP_KINDS) -> tuple[str, Message] | None:
@@ -252,12 +252,16 @@ class Transport:
                     break
                 continue
             ident, msg, size = got
-            bad = self._unwanted(msg, batch, waiting, reply) or (check and msg.kind == reply and
-                                                                 check(msg.client, msg))
-            if bad:
-                self.reject(*bad[:1], ident, size, f"{msg.kind} for client {msg.client}: {bad[1]}")
-                if bad[0] not in ("stale", "unexpected kind", "hello mid-run"):
-                    waiting.discard(msg.client)  # its one reply was wrong: no other will come
+            unwanted = self._unwanted(msg, batch, waiting, reply)
+            if unwanted:
+                self.reject(unwanted[0], ident, size, f"{msg.kind} for client {msg.client}: {unwanted[1]}")
+                if msg.kind == "hello" and ident not in self.devices:
+                    self.forget(ident)  # named on arrival, never a device: keep nothing of it
+                continue
+            wrong = check(msg.client, msg) if check and msg.kind == reply else None
+            if wrong:
+                self.reject(wrong[0], ident, size, f"{msg.kind} for client {msg.client}: {wrong[1]}")
+                waiting.discard(msg.client)  # its one reply was wrong: no other will come
                 continue
             self._account(msg, size)
             waiting.discard(msg.client)

@@ -2,6 +2,8 @@
 import json
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -143,3 +145,105 @@ def test_random_and_mutated_frames_raise_only_protocol_error():
                 decode(frames)
             except ProtocolError:
                 pass
+
+
+def _dealer(endpoint: str, name: str, hello: bool = True):
+    """A DEALER socket connected to the server, with routing id `name`; it says hello as
+    `name` unless told not to."""
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.IDENTITY, name.encode())
+    s.connect(endpoint)
+    if hello:
+        s.send_multipart(encode(Message("hello", meta={"name": name})))
+    return s
+
+
+def test_rejections_are_counted_by_reason_and_their_bytes_kept_out_of_the_traffic():
+    server = Transport()
+    dev, stranger = _dealer(server.endpoint, "dev-a"), _dealer(server.endpoint, "stranger", hello=False)
+    server.wait_devices(1, timeout_s=10)
+    server.client_device[5] = "dev-a"
+    sent = {
+        "malformed": (dev, [b"garbage", b"x"]),
+        "wrong client": (dev, encode(Message("update", 1, 6, tensors={"model": np.zeros(3, np.float32)}))),
+        "unexpected kind": (dev, encode(Message("train", 1, 5))),
+        "unknown device": (stranger, encode(Message("update", 1, 5, tensors={"model": np.zeros(9, np.float32)}))),
+    }
+    try:
+        for sock, frames in sent.values():
+            sock.send_multipart(frames)
+        dev.send_multipart(encode(Message("ready")))
+        ident, msg = server.recv(timeout_s=10)
+        assert (ident, msg.kind) == ("dev-a", "ready")
+        expected = {r: {"messages": 1, "bytes": len(sock.IDENTITY) + sum(len(bytes(f)) for f in fr)}
+                    for r, (sock, fr) in sent.items()}
+        assert server.rejections.summary()["rejected_reasons"] == expected
+        assert server.ledger.rejections.summary() == server.rejections.summary()
+        totals = server.ledger.totals()
+        assert totals["up"]["control"]["messages"] == 2  # the hello and 'ready'
+        assert sum(c["messages"] for d in totals.values() for c in d.values()) == 2
+    finally:
+        dev.close()
+        stranger.close()
+        server.sock.close(linger=0)
+
+
+def test_a_frame_over_the_inbound_limit_never_reaches_the_server():
+    """ZeroMQ drops a frame larger than the run's largest legitimate message (and
+    disconnects its peer) before the server allocates it; others carry on."""
+    server = Transport(max_inbound=4096)  # below the header cap (1 MiB): the cap wins
+    big = _dealer(server.endpoint, "big", hello=False)
+    try:
+        big.send_multipart(encode(Message("hello", meta={"name": "big", "pad": "x" * (3 << 20)})))
+        time.sleep(0.2)
+        good = _dealer(server.endpoint, "good")
+        ident, msg = server.recv(timeout_s=10)
+        assert ident == "good" and server.recv(timeout_s=0.5) is None
+        assert server.rejections.messages == 0
+    finally:
+        big.close()
+        good.close()
+        server.sock.close(linger=0)
+
+
+def _serve(endpoint: str, name: str, answer, stop: threading.Event):
+    """A device in a thread: answers every task with answer(task) (a list of messages)."""
+    s = _dealer(endpoint, name)
+    while not stop.is_set():
+        if s.poll(50):
+            for reply in answer(decode(s.recv_multipart())):
+                s.send_multipart(encode(reply))
+    s.close()
+
+
+def test_gather_rejects_stale_mid_run_hello_and_checked_replies_and_keeps_the_good_ones():
+    server = Transport()
+    stop = threading.Event()
+
+    def answer(task):
+        batch = task.meta["batch"]
+        n = {0: 50, 1: 7}.get(task.client, 50)  # client 1 claims a wrong sample count
+        return [Message("metrics", 0, task.client, meta={"batch": batch - 1}),  # stale
+                Message("hello", meta={"name": "dev-a"}),                        # mid-run hello
+                Message("metrics", 0, task.client, meta={"batch": batch, "n": n})]
+
+    thread = threading.Thread(target=_serve, args=(server.endpoint, "dev-a", answer, stop))
+    thread.start()
+    try:
+        server.wait_devices(1, timeout_s=10)
+        server.client_device.update({0: "dev-a", 1: "dev-a"})
+        stranger = _dealer(server.endpoint, "stranger")
+        time.sleep(0.3)
+        got = server.gather({c: Message("evaluate", 0, c) for c in (0, 1)}, "metrics", 10,
+                            check=lambda c, m: ("wrong sample count", "n") if m.meta["n"] != 50 else None)
+        assert list(got) == [0]
+        reasons = {r: v["messages"] for r, v in server.rejections.summary()["rejected_reasons"].items()}
+        assert reasons == {"stale": 2, "hello mid-run": 3, "wrong sample count": 1}
+        assert server.ledger.totals()["up"]["evaluation"]["messages"] == 1
+        assert "stranger" not in server.devices  # a stranger's hello mid-run is not kept
+    finally:
+        stop.set()
+        thread.join()
+        stranger.close()
+        server.sock.close(linger=0)

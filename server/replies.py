@@ -1,0 +1,98 @@
+"""What a device reports, checked against what the server already knows.
+
+The server built the partition, so it knows every client's shard sizes, and it sent
+the task, so it knows the model's size, the candidates, the epochs and the batch size.
+A reply that disagrees (a sample count that would weigh a client a million times in
+FedAvg, evaluation totals that would fake an accuracy, a non-finite model that would
+poison an average) is rejected by the transport like a malformed message: counted by
+reason, its bytes kept apart, its client named in the log and left out of the round.
+
+Each `*_check` returns a function `(client, reply) -> (reason, detail) | None` for
+`Transport.gather`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+from models.wire import Message
+from scenarios.errors import short
+
+# (train samples, test samples) of a client, as the partition says now (drift moves shards)
+ShardSizes = Callable[[int], tuple[int, int]]
+Check = Callable[[int, Message], "tuple[str, str] | None"]
+
+
+def update_check(sent: dict[int, Message], sizes: ShardSizes | None) -> Check:
+    """An `update` must carry exactly the client's training-sample count, the steps that
+    count implies, a candidate index it was offered, and (unless the model stays on the
+    device) one finite model of the size that was sent."""
+    def check(client: int, reply: Message):
+        task, meta = sent[client], reply.meta
+        n, expected_n = meta.get("n"), sizes(client)[0] if sizes else None
+        if not _is_int(n) or n < 1 or (expected_n is not None and n != expected_n):
+            return "wrong sample count", f"n = {short(n, 24)}, its shard holds {expected_n}"
+        steps = -(-n // task.meta["batch_size"]) * task.meta["epochs"]
+        if meta.get("steps") != steps:
+            return "wrong step count", f"steps = {short(meta.get('steps'), 24)}, {n} samples make {steps}"
+        offered = task.tensors["model"].shape[0] if "model" in task.tensors else 1
+        if not _is_int(meta.get("choice", 0)) or not 0 <= meta.get("choice", 0) < offered:
+            return "bad meta", f"choice = {short(meta.get('choice'), 24)} of {offered} candidates"
+        if meta.get("flag", 0) not in (0, 1) or not _is_number(meta.get("loss", 0.0)):
+            return "bad meta", f"flag {short(meta.get('flag'), 24)}, loss {short(meta.get('loss'), 24)}"
+        return _model_problem(task, reply)
+    return check
+
+
+def _model_problem(task: Message, reply: Message):
+    if task.meta.get("resident"):  # the model stays on the device (Local): none travels back
+        return ("bad model", f"tensors {sorted(reply.tensors)} for a device-resident model") \
+            if reply.tensors else None
+    model, size = reply.tensors.get("model"), task.tensors["model"].shape[-1]
+    if model is None or model.dtype != np.float32 or model.shape != (size,) or len(reply.tensors) != 1:
+        return "bad model", f"expected one float32 model of {size} parameters"
+    if not np.isfinite(model).all():
+        return "non-finite update", f"{int((~np.isfinite(model)).sum())} of {size} parameters are NaN or inf"
+    return None
+
+
+def metrics_check(sizes: ShardSizes | None) -> Check:
+    """`metrics` must count exactly the client's test shard, and a whole number of correct
+    answers between 0 and that."""
+    def check(client: int, reply: Message):
+        correct, total = reply.meta.get("correct"), reply.meta.get("total")
+        expected = sizes(client)[1] if sizes else total
+        if not (_is_number(correct) and _is_number(total) and total == expected
+                and 0 <= correct <= total and float(correct).is_integer()):
+            return "wrong evaluation totals", (f"correct {short(correct, 24)} of total {short(total, 24)}, "
+                                               f"its test shard holds {expected}")
+        if not _is_number(reply.meta.get("loss", 0.0)) or reply.tensors:
+            return "bad meta", f"loss {short(reply.meta.get('loss'), 24)}, tensors {sorted(reply.tensors)}"
+        return None
+    return check
+
+
+def centroids_check(sizes: ShardSizes | None, max_k: int = 64) -> Check:
+    """`centroids`: the client's whole training shard embedded, into 1..max_k finite rows."""
+    def check(client: int, reply: Message):
+        n, expected_n = reply.meta.get("n"), sizes(client)[0] if sizes else None
+        if not _is_int(n) or (expected_n is not None and n != expected_n):
+            return "wrong sample count", f"n = {short(n, 24)}, its shard holds {expected_n}"
+        c = reply.tensors.get("centroids")
+        if c is None or c.ndim != 2 or not 1 <= c.shape[0] <= max_k or c.dtype.kind != "f" \
+                or len(reply.tensors) != 1:
+            return "bad centroids", f"expected one float k x e array, k in 1..{max_k}"
+        if not np.isfinite(c).all():
+            return "non-finite centroids", "NaN or inf in the centroids"
+        return None
+    return check
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
