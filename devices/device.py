@@ -67,7 +67,8 @@ class Device:
     def run(self) -> int:
         # no pid: a newcomer's hello is billed, and its size must not vary between reruns
         self.send(Message("hello", meta={"name": self.name, "threads": torch.get_num_threads()}))
-        handlers = {"assign": self.on_assign, "reset": self.on_reset, "drift": self.on_drift}
+        handlers = {"assign": self.on_assign, "reset": self.on_reset, "drift": self.on_drift,
+                    "state": self.on_state}
         while True:
             if not self.sock.poll(1000):
                 if self.parent_pid and os.getppid() != self.parent_pid:  # orphaned
@@ -86,7 +87,7 @@ class Device:
                 return 0
             if msg.kind in handlers:
                 self._guard(handlers[msg.kind], msg)
-            elif msg.kind in ("train", "evaluate", "encoder"):
+            elif msg.kind in ("train", "evaluate", "encoder", "snapshot"):
                 self.collect(msg)
             else:
                 self.rejected += 1
@@ -151,6 +152,24 @@ class Device:
         else:
             self.flags.discard(msg.client)
 
+    def on_state(self, msg: Message) -> None:
+        """Resume: the state snapshot() gave for this client at the checkpoint."""
+        if msg.client not in self.shards:
+            raise KeyError(f"state for client {msg.client}, which {self.name} does not host")
+        if "model" in msg.tensors:
+            self.resident[msg.client] = torch.from_numpy(np.array(msg.tensors["model"], dtype=np.float32))
+        else:
+            self.resident.pop(msg.client, None)
+        (self.flags.add if msg.meta.get("flag") else self.flags.discard)(msg.client)
+
+    def snapshot(self, batch: list[Message]) -> list[Message]:
+        """What this device keeps for each client (Local's model, the change flag), for the
+        server's checkpoint: a resumed run gets it back with on_state."""
+        return [Message("state", m.round, m.client,
+                        tensors={"model": self.resident[m.client].numpy()} if m.client in self.resident else {},
+                        meta={"batch": m.meta["batch"], "flag": int(m.client in self.flags)})
+                for m in batch]
+
     # -- cohorts --------------------------------------------------------------------
     def collect(self, msg: Message) -> None:
         batch_id = msg.meta.get("batch")
@@ -176,7 +195,8 @@ class Device:
 
     def _process(self, batch: list[Message]) -> None:
         kind = batch[0].kind
-        handler = {"train": self.train, "evaluate": self.evaluate, "encoder": self.encode_fcr}[kind]
+        handler = {"train": self.train, "evaluate": self.evaluate, "encoder": self.encode_fcr,
+                   "snapshot": self.snapshot}[kind]
         try:
             start = time.monotonic()
             replies = handler(batch)

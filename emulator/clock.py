@@ -226,6 +226,12 @@ class EmulatedClock:
         self.now_s += s
         return self.now_s
 
+    def state_dict(self) -> dict:
+        return {"now_s": self.now_s}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.now_s = float(state["now_s"])
+
 
 def overcommit_count(target, factor) -> int:
     """Clients to sample for ``target`` results with over-commitment ``factor`` (>= 1).

@@ -83,6 +83,26 @@ class Population:
             events.append({"kind": "arrival", "round": rnd, "clients": clients.tolist(), **(placed or {})})
         return events
 
+    # -- checkpoints --------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Who is present, the emulated clock, the last round's target. Participation is
+        drawn from a generator seeded by (seed, round) alone and profiles are fixed, so
+        no generator state is carried from round to round."""
+        return {"present": self.present.copy(), "clock": self.clock.state_dict(), "target": self.target}
+
+    def load_state_dict(self, state: dict, upto: int) -> None:
+        """Resume after round `upto`: replay the process side of the arrivals and drift
+        scheduled up to it, in order (newcomer device processes, changed shards), then
+        take the saved state. The strategy's side of those events is in its own state."""
+        for rnd in range(1, upto + 1):
+            if rnd in self.schedule.drift:
+                self.drift_cb(rnd, self.schedule.drift[rnd])
+            if rnd in self.schedule.arrivals:
+                self.arrive_cb(rnd, self.schedule.arrivals[rnd])
+        self.present = np.asarray(state["present"], dtype=bool).copy()
+        self.clock.load_state_dict(state["clock"])
+        self.target = int(state["target"])
+
     # -- how long -----------------------------------------------------------------------
     def delays(self, rnd: int, tasks: dict) -> dict[int, float] | None:
         """Real-time mode: how long each device really waits before answering (its task's

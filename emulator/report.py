@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from emulator.population import rounds_to_recover
+from server.federation import split_timing
 from server.transport import Transport
 
 
@@ -36,11 +37,6 @@ def method_summary(spec: dict, history: list[dict], strategy, transport: Transpo
         "expected": expected,
         **transport.ledger.rejections.summary(),  # messages, bytes and reasons, never traffic
         "lost_clients": transport.lost_clients().tolist(),
-        "setup_s": history[0]["setup_s"] if history else 0.0,
-        "wall_s": history[-1]["wall_s"] if history else 0.0,
-        # median: round 1 pays one-off warm-up (imports, first vmap); evaluation is apart
-        "s_per_round": float(np.median([r["train_s"] for r in history])) if history else 0.0,
-        "eval_s_per_round": float(np.median([r["eval_s"] for r in history if "eval_s" in r] or [0.0])),
         "model_bytes": model_bytes, "selections": selections,
     }
     if expected:
@@ -56,7 +52,21 @@ def method_summary(spec: dict, history: list[dict], strategy, transport: Transpo
                            **{k: e[k] for k in ("placement", "ari", "fcr_bytes") if k in e},
                            **rounds_to_recover(history, e["round"], until)} for e, until in zip(changes, nxt)]
     out.update(strategy.summary())
+    out, extra = split_timing(out)  # e.g. FLT's FCR seconds
+    out["timing"] = {**_timing([r["timing"] for r in history]), **(extra or {})}
     return out
+
+
+def _timing(rounds: list[dict]) -> dict:
+    """Wall-clock figures of a method, apart from its results (they differ on every rerun)."""
+    if not rounds:
+        return {"setup_s": 0.0, "wall_s": 0.0, "s_per_round": 0.0, "eval_s_per_round": 0.0}
+    # median: round 1 pays one-off warm-up (imports, first vmap); evaluation is apart
+    return {"setup_s": rounds[0]["setup_s"], "wall_s": rounds[-1]["wall_s"],
+            "s_per_round": float(np.median([t["train_s"] for t in rounds])),
+            "eval_s_per_round": float(np.median([t["eval_s"] for t in rounds if "eval_s" in t] or [0.0]))}
+
+
 
 
 def _to_target(evals: list[dict], target: float | None):
@@ -68,6 +78,15 @@ def _to_target(evals: list[dict], target: float | None):
     b = hit["bytes"]
     return {"round": hit["round"], "bytes": sum(sum(v.values()) for v in b.values()),
             "emulated_s": hit.get("emulated_s")}
+
+
+def finished_methods(run_dir: Path, cfg: dict) -> dict:
+    """A killed run's summary.json, keeping only the methods that ran all their rounds."""
+    path = run_dir / "summary.json"
+    summary = json.loads(path.read_text()) if path.exists() else {}
+    done = {label: m for label, m in (summary.get("methods") or {}).items()
+            if m.get("rounds") == cfg["train"]["rounds"]}
+    return {"scenario": cfg["name"], "methods": done, "partition_notes": summary.get("partition_notes", [])}
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
@@ -94,7 +113,7 @@ def table(summary: dict) -> str:
             f"{label:<14}{_f(m['final_accuracy'], 10)}{_f(m['final_se'], 8)}{_f(m['final_variance'], 10)}"
             f"{_f(m['best_accuracy'], 8)}{m['bytes_up'] / 1e6:>10.2f}{m['bytes_down'] / 1e6:>10.2f}"
             f"{sum(m['bytes_overhead'].values()) / 1e6:>12.3f}"
-            f"{(f'{ratio:.4f}' if ratio is not None else '-'):>11}{m['s_per_round']:>9.2f}")
+            f"{(f'{ratio:.4f}' if ratio is not None else '-'):>11}{m['timing']['s_per_round']:>9.2f}")
     return "\n".join(rows)
 
 

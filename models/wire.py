@@ -48,6 +48,8 @@ KINDS = {
     "drift": "control",       # server -> device: change a client's data (emulated drift)
     "error": "control",       # device -> server: a task failed, with the reason
     "shutdown": "control",    # server -> device: exit
+    "snapshot": "control",    # server -> client: send what the device keeps for you (checkpoint)
+    "state": "control",       # client -> server and back on resume: Local's model, change flag
 }
 TRAFFIC_CLASSES = ("model", "embedding", "encoder", "evaluation", "control")
 DTYPES = {"float32", "float64", "int64", "int32", "uint8"}

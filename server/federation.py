@@ -3,13 +3,19 @@
 `Federation` turns strategy-level requests (train these clients from these models,
 evaluate these models, embed with this encoder) into wire messages through the
 transport, and turns replies back into tensors on the aggregation device.
-`run_method` drives one method for T rounds and streams one JSON line per round.
+`run_method` drives one method for T rounds and streams one JSON line per round. After
+setup and after every round it checkpoints everything the next round depends on (the
+strategy's attributes, the population's state and clock, the byte ledger and what
+devices hold per client), so a killed run resumes with exactly the records an
+uninterrupted one writes. Wall-clock figures live in each record's `timing` object: the
+rest of a record is the same, bytes included, on every rerun.
 
 The emulator plugs its behaviour in through a `population` object (participation
 sampling, device clock, arrivals, drift); the server never imports the emulator.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -20,8 +26,10 @@ import torch
 
 from models.wire import Message
 from server.replies import ShardSizes, centroids_check, metrics_check, update_check
+from server import checkpoint
+from server.checkpoint import restore_vars
 from server.strategies.base import Result, Strategy, Task
-from server.transport import Transport
+from server.transport import Ledger, Transport
 
 log = logging.getLogger("flt.server")
 
@@ -83,6 +91,87 @@ class Federation:
         return {c: m.tensors["centroids"].copy() for c, m in replies.items()}
 
 
+    # -- checkpoints -------------------------------------------------------------------
+    def state_dict(self, rnd: int) -> dict:
+        """The transport's side of a checkpoint: bytes so far, the next batch id (it is in
+        every header, so its digits count), lost devices, and what devices hold per client."""
+        t = self.transport
+        batch = next(t.batches)
+        t.batches = itertools.count(batch)  # peeked, not consumed
+        return {"ledger": t.ledger, "batch": batch, "lost_devices": sorted(t.lost_devices),
+                "clients": self._device_state(rnd)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.transport.lost_devices.update(state["lost_devices"])
+        self._restore_device_state(state["clients"])
+        restore_vars(self.transport, {"ledger": state["ledger"]})
+        self.carry_over(state)
+
+    def carry_over(self, state: dict) -> None:
+        """A method that starts afresh on resume continues the run's batch ids and lost
+        devices from the one before it (`state`: that method's last checkpoint)."""
+        self.transport.lost_devices.update(state["lost_devices"])
+        self.transport.batches = itertools.count(state["batch"])
+
+    def _hosted(self) -> list[int]:
+        lost = set(self.transport.lost_clients().tolist())
+        return sorted(c for c in self.transport.client_device if c not in lost)
+
+    def _device_state(self, rnd: int) -> dict:
+        """Ask every hosted client's device what it keeps for it (Local's model, the change
+        flag). Checkpoint traffic is the emulator's, not the method's: it is not billed."""
+        t, clients = self.transport, self._hosted()
+        billed, t.ledger = t.ledger, Ledger()
+        try:
+            replies = t.gather({c: Message("snapshot", rnd, c) for c in clients}, "state", self.timeout_s)
+        finally:
+            t.ledger = billed
+        missing = sorted(set(clients) - set(replies) - set(t.lost_clients().tolist()))
+        if missing:
+            raise RuntimeError(f"checkpoint: clients {missing[:20]} did not report their device state")
+        return {"models": {c: r.tensors["model"].copy() for c, r in replies.items() if "model" in r.tensors},
+                "flags": sorted(c for c, r in replies.items() if r.meta.get("flag"))}
+
+    def _restore_device_state(self, state: dict) -> None:
+        """Every hosted client gets its checkpointed state back (a flag that replayed drift
+        raised but a later re-embedding cleared is cleared again); not billed either."""
+        t, flags = self.transport, set(state["flags"])
+        billed, t.ledger = t.ledger, Ledger()
+        try:
+            for c in self._hosted():
+                model = state["models"].get(c)
+                t.send(t.client_device[c], Message("state", client=c, meta={"flag": int(c in flags)},
+                                                   tensors={} if model is None else {"model": model}))
+        finally:
+            t.ledger = billed
+
+
+# Keys whose values depend on the machine, not on the scenario: wall-clock seconds and
+# whether the encoder came from the cache. They move to a record's `timing` object.
+WALL_CLOCK_KEYS = frozenset({"seconds", "server_seconds", "train_s", "eval_s", "wall_s", "setup_s",
+                             "s_per_round", "eval_s_per_round", "cached", "cache"})
+
+
+def split_timing(obj):
+    """(obj without WALL_CLOCK_KEYS at any depth, those values in the same nesting or
+    None). Lists keep their positions: events[i]'s seconds are timing['events'][i]."""
+    if isinstance(obj, dict):
+        clean, timing = {}, {}
+        for k, v in obj.items():
+            if k in WALL_CLOCK_KEYS:
+                timing[k] = v
+                continue
+            clean[k], sub = split_timing(v)
+            if sub:
+                timing[k] = sub
+        return clean, timing or None
+    if isinstance(obj, list):
+        parts = [split_timing(v) for v in obj]
+        timing = [t or {} for _, t in parts]
+        return [c for c, _ in parts], timing if any(timing) else None
+    return obj, None
+
+
 def accuracy_stats(metrics: dict[int, dict]) -> dict:
     """Mean per-client test accuracy (%), its standard error, variance across clients."""
     if not metrics:
@@ -94,18 +183,25 @@ def accuracy_stats(metrics: dict[int, dict]) -> dict:
 
 
 def run_method(strategy: Strategy, fed: Federation, population, rounds: int, eval_every: int,
-               out_dir: Path, progress=print) -> list[dict]:
+               out_dir: Path, progress=print, on_round=None, resume: bool = False) -> list[dict]:
     """Setup, then T rounds of select / train / aggregate / evaluate. Each round's record
-    is appended to out_dir/metrics.jsonl as soon as it exists (a crash loses nothing)."""
+    is appended to out_dir/metrics.jsonl as soon as it exists, the state is checkpointed
+    (out_dir/CHECKPOINT, also after setup as round 0) and `on_round(history)` is
+    called. `resume` continues after the checkpoint's round instead of starting over."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    transport, history = fed.transport, []
+    transport = fed.transport
     fed.method = strategy.name
     tic = time.perf_counter()
-    fed.present = population.candidates(0)
-    strategy.setup(fed)
-    setup_s = time.perf_counter() - tic
-    with open(out_dir / "metrics.jsonl", "w") as sink:
-        for rnd in range(1, rounds + 1):
+    if resume:
+        done, history, setup_s = resume_method(out_dir, strategy, fed, population)
+    else:
+        fed.present = population.candidates(0)
+        strategy.setup(fed)
+        done, history, setup_s = 0, [], time.perf_counter() - tic
+        (out_dir / "metrics.jsonl").write_text("")
+        save_checkpoint(out_dir, 0, setup_s, strategy, fed, population)
+    with open(out_dir / "metrics.jsonl", "a") as sink:
+        for rnd in range(done + 1, rounds + 1):
             r_tic = time.perf_counter()
             events = population.before_round(rnd, fed, strategy)
             candidates = np.setdiff1d(population.candidates(rnd), transport.lost_clients())
@@ -119,21 +215,55 @@ def run_method(strategy: Strategy, fed: Federation, population, rounds: int, eva
             events += strategy.maintain(rnd, fed)
             record = {"method": strategy.name, "round": rnd, "selected": int(len(selected)),
                       "returned": int(len(results)), "events": events, **clock}
-            record["train_s"] = time.perf_counter() - r_tic  # selection, training, aggregation
+            timing = {"train_s": time.perf_counter() - r_tic}  # selection, training, aggregation
             if rnd % eval_every == 0 or rnd == rounds:
                 e_tic = time.perf_counter()
                 present = np.setdiff1d(population.candidates(rnd), transport.lost_clients())
                 models, rows = strategy.eval_models(present)
                 record.update(accuracy_stats(fed.evaluate(rnd, present, models, rows)))
-                record["eval_s"] = time.perf_counter() - e_tic
-            record["wall_s"] = time.perf_counter() - tic
-            record["setup_s"] = setup_s
+                timing["eval_s"] = time.perf_counter() - e_tic
+            timing.update(wall_s=time.perf_counter() - tic, setup_s=setup_s)
             record["bytes"] = _bytes_so_far(transport)
+            record, extra = split_timing(record)  # e.g. a re-clustering event's seconds
+            record["timing"] = {**timing, **(extra or {})}
             sink.write(json.dumps(record) + "\n")
             sink.flush()
             history.append(record)
+            save_checkpoint(out_dir, rnd, setup_s, strategy, fed, population)
+            if on_round:
+                on_round(history)
             progress(_line(record, rounds))
     return history
+
+
+CHECKPOINT = "checkpoint.npz"  # in each method's folder: the state after its last round
+
+
+def save_checkpoint(out_dir: Path, rnd: int, setup_s: float, strategy: Strategy, fed: Federation,
+                    population) -> None:
+    checkpoint.save(out_dir / CHECKPOINT, {
+        "round": rnd, "setup_s": setup_s, "strategy": strategy.state_dict(),
+        "population": population.state_dict(), "federation": fed.state_dict(rnd)})
+
+
+def resume_method(out_dir: Path, strategy: Strategy, fed: Federation, population) -> tuple[int, list, float]:
+    """Put everything back as it was after the checkpoint's round: arrivals and drift
+    replayed on the processes, device-held state, the ledger, the strategy. A record
+    written after the checkpoint (killed in between) is dropped: that round runs again."""
+    state = checkpoint.load(out_dir / CHECKPOINT, fed.device)
+    done = state["round"]
+    population.load_state_dict(state["population"], upto=done)
+    fed.load_state_dict(state["federation"])
+    strategy.load_state_dict(state["strategy"])
+    metrics = out_dir / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()[:done] if metrics.exists() else []
+    if len(lines) < done:
+        raise RuntimeError(f"{metrics}: {len(lines)} records, but the checkpoint is after round {done}")
+    tmp = metrics.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in lines))
+    tmp.replace(metrics)
+    log.info("resuming %s after round %d", strategy.name, done)
+    return done, [json.loads(line) for line in lines], state["setup_s"]
 
 
 def _bytes_so_far(transport: Transport) -> dict:
@@ -146,5 +276,5 @@ def _line(r: dict, rounds: int) -> str:
     down = sum(r["bytes"]["down"].values()) / 1e6
     acc = f"acc {r['acc_mean']:6.2f} ± {r['acc_se']:4.2f}" if "acc_mean" in r else " " * 18
     return (f"[{r['method']}] round {r['round']:>3}/{rounds}  {acc}  "
-            f"up {up:8.2f} MB  down {down:8.2f} MB  train {r['train_s']:.2f} s  "
+            f"up {up:8.2f} MB  down {down:8.2f} MB  train {r['timing']['train_s']:.2f} s  "
             f"({r['returned']}/{r['selected']} returned)")

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from scenarios.schema import Field
+from server.checkpoint import restore_vars
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Context:
 class Strategy:
     name = "base"
     PARAMS: dict[str, Field] = {}
+    TRANSIENT = ("ctx",)  # given at construction, not changed by the rounds
 
     def __init__(self, ctx: Context, **params):
         self.ctx, self.params = ctx, params
@@ -85,6 +87,17 @@ class Strategy:
         """The paper's analytical payload figure (DESIGN.md section 6), with rho*M*T taken
         as the number of client selections actually made over the run."""
         return None
+
+    def state_dict(self) -> dict:
+        """What the rounds changed, for a checkpoint: every attribute but TRANSIENT ones,
+        so a new attribute is saved without a hand-written list. Values must be tensors,
+        numpy arrays, random generators or plain Python values (server/checkpoint.py
+        stores them without pickle and refuses, by name, anything else)."""
+        return {k: v for k, v in vars(self).items() if k not in self.TRANSIENT}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state_dict()` on a freshly constructed strategy (setup skipped)."""
+        restore_vars(self, state)
 
     # -- helpers shared by the strategies -------------------------------------------------
     def on(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,143 @@
+"""Checkpoints without pickle: nested plain values as JSON, arrays and tensors as members
+of one .npz, written atomically (a kill leaves the previous checkpoint or the new one).
+
+`pack` turns a value into JSON plus arrays: None, bool, int, float, str, lists, tuples,
+sets and dicts (any hashable keys) of those, numpy arrays and scalars, torch tensors,
+numpy and torch random generators (their exact state), paths, and objects of this
+project's own classes (by their attributes). Anything else is refused with its path, so
+a strategy that grows an attribute of a foreign type fails loudly at its first
+checkpoint instead of resuming wrong. Loading imports only this project's classes and
+never unpickles.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path, PurePath
+
+import numpy as np
+import torch
+
+from scenarios.datasets import save_npz_atomic
+
+PROJECT_PACKAGES = ("server", "emulator", "devices", "models", "scenarios")
+_STATE = "__state__"
+
+
+class CheckpointError(TypeError):
+    """A value that cannot be stored without pickle; the text names where it is."""
+
+
+def save(path: Path, state: dict) -> None:
+    arrays: dict[str, np.ndarray] = {}
+    doc = json.dumps(pack(state, arrays, "state")).encode()
+    save_npz_atomic(Path(path), **arrays, **{_STATE: np.frombuffer(doc, dtype=np.uint8)})
+
+
+def load(path: Path, device: torch.device | str = "cpu") -> dict:
+    with np.load(Path(path), allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    return unpack(json.loads(arrays.pop(_STATE).tobytes()), arrays, torch.device(device))
+
+
+def pack(value, arrays: dict, where: str):
+    """JSON-able form of `value`; arrays and tensors go into `arrays`."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list):
+        return [pack(v, arrays, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return {"$tuple": [pack(v, arrays, f"{where}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, (set, frozenset)):
+        return {"$set": [pack(v, arrays, f"{where}{{}}") for v in value]}
+    if isinstance(value, dict):
+        return {"$dict": [[pack(k, arrays, f"{where} key"), pack(v, arrays, f"{where}[{k!r}]")]
+                          for k, v in value.items()]}
+    if isinstance(value, (np.ndarray, np.generic)):
+        return {"$array" if isinstance(value, np.ndarray) else "$scalar": _store(arrays, np.asarray(value))}
+    if isinstance(value, torch.Tensor):
+        return {"$tensor": _store(arrays, value.detach().cpu().numpy())}
+    if isinstance(value, np.random.Generator):
+        return {"$np_rng": pack(value.bit_generator.state, arrays, where)}
+    if isinstance(value, torch.Generator):
+        return {"$torch_rng": _store(arrays, value.get_state().numpy())}
+    if isinstance(value, PurePath):
+        return {"$path": str(value)}
+    if isinstance(value, torch.device):
+        return {"$device": str(value)}
+    if type(value).__module__.split(".")[0] in PROJECT_PACKAGES and hasattr(value, "__dict__"):
+        cls = type(value)
+        return {"$object": f"{cls.__module__}:{cls.__qualname__}", "vars": pack(vars(value), arrays, where)}
+    raise CheckpointError(f"{where}: a {type(value).__module__}.{type(value).__qualname__} cannot be "
+                          f"checkpointed (store it as arrays or plain values)")
+
+
+def _store(arrays: dict, arr: np.ndarray) -> str:
+    if arr.dtype.hasobject:
+        raise CheckpointError("object arrays cannot be checkpointed")
+    key = f"a{len(arrays)}"
+    arrays[key] = arr
+    return key
+
+
+def unpack(node, arrays: dict, device: torch.device):
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return node
+    if isinstance(node, list):
+        return [unpack(v, arrays, device) for v in node]
+    (tag, body), *rest = node.items()
+    if tag == "$tuple":
+        return tuple(unpack(v, arrays, device) for v in body)
+    if tag == "$set":
+        return {unpack(v, arrays, device) for v in body}
+    if tag == "$dict":
+        return {unpack(k, arrays, device): unpack(v, arrays, device) for k, v in body}
+    if tag == "$array":
+        return arrays[body]
+    if tag == "$scalar":
+        return arrays[body][()]
+    if tag == "$tensor":
+        return torch.from_numpy(arrays[body].copy()).to(device)
+    if tag == "$np_rng":
+        state = unpack(body, arrays, device)
+        gen = np.random.Generator(getattr(np.random, state["bit_generator"])())
+        gen.bit_generator.state = state
+        return gen
+    if tag == "$torch_rng":
+        gen = torch.Generator()
+        gen.set_state(torch.from_numpy(arrays[body].copy()))
+        return gen
+    if tag == "$path":
+        return Path(body)
+    if tag == "$device":
+        return torch.device(body)
+    if tag == "$object":
+        obj = _project_class(body).__new__(_project_class(body))
+        obj.__dict__.update(unpack(rest[0][1], arrays, device))
+        return obj
+    raise CheckpointError(f"unknown checkpoint tag {tag!r}")
+
+
+def _project_class(name: str) -> type:
+    module, _, qualname = name.partition(":")
+    if module.split(".")[0] not in PROJECT_PACKAGES:
+        raise CheckpointError(f"checkpoint names class {name!r} outside this project")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def restore_vars(obj, state: dict) -> None:
+    """Put saved attributes back on a live object. A dict attribute is refilled in place,
+    so a defaultdict keeps its default factory; so is a nested object of the same class."""
+    for name, value in state.items():
+        current = getattr(obj, name, None)
+        if type(current) is type(value) and type(value).__module__.split(".")[0] in PROJECT_PACKAGES \
+                and hasattr(value, "__dict__"):
+            restore_vars(current, vars(value))
+        elif isinstance(current, dict) and isinstance(value, dict):
+            current.clear()
+            current.update(value)
+        else:
+            setattr(obj, name, value)
