@@ -21,7 +21,9 @@ Supported names (``DATASETS``):
 ``cifar10_jpg`` (alias ``imagefolder``)
     an ImageFolder tree ``train/<class>/*.jpg``, ``test/<class>/*.jpg``, or a ``.tar.gz``
     holding one; a tarball is read as one stream (never extracted to disk) and the
-    decoded arrays are cached, so only the first load pays for JPEG decoding.
+    decoded arrays are cached, so only the first load pays for JPEG decoding. The root
+    is the tree or tarball, or a folder whose only one sits in it or one folder down
+    (a tree counts only if its class folders hold images).
 ``femnist``
     LEAF JSON (``root/train/*.json``, ``root/test/*.json``); the writer of every sample is
     returned in ``groups`` (index into the sorted list of all writer ids, the same in
@@ -44,16 +46,18 @@ import pickle
 import tarfile
 import tempfile
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from scenarios.errors import FltError
+from scenarios.errors import FltError, short
 
 __all__ = [
     "DATASETS",
     "DataError",
+    "dataset_key",
     "Dataset",
     "EMNIST_SPLITS",
     "cache_dir",
@@ -135,8 +139,18 @@ def save_npz_atomic(path: Path, **arrays: np.ndarray) -> None:
         raise
 
 
-def _open_maybe_gz(path: Path):
-    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+# What a damaged file raises while it is read: a bad gzip header or CRC, a stream that
+# ends early, a broken deflate block, a bad tar header.
+_DAMAGED = (OSError, EOFError, zlib.error, tarfile.TarError, pickle.UnpicklingError)
+
+
+def _read_bytes(path: Path) -> bytes:
+    """A whole file, gunzipped when it ends in .gz; a corrupt or truncated file is a DataError."""
+    try:
+        with gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb") as f:
+            return f.read()
+    except _DAMAGED as exc:
+        raise DataError(f"{path}: corrupt or truncated file ({type(exc).__name__}: {exc})") from None
 
 
 _IDX_DTYPES = {
@@ -153,8 +167,7 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     """Read an IDX file (optionally gzip'd): magic ``0 0 <dtype> <ndim>``, then ``ndim``
     big-endian uint32 dimensions, then the big-endian data."""
     path = Path(path)
-    with _open_maybe_gz(path) as f:
-        raw = f.read()
+    raw = _read_bytes(path)
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
         raise DataError(f"{path}: not an IDX file (bad magic number {raw[:4]!r})")
     dtype, ndim = _IDX_DTYPES[raw[2]], raw[3]
@@ -385,8 +398,8 @@ def _load_cifar(name: str, root: Path | None, train: bool, download: bool) -> Da
     for p in found:
         try:
             d = _load_pickle(p)
-        except pickle.UnpicklingError as e:
-            raise DataError(f"dataset '{name}': {p}: {e}") from e
+        except _DAMAGED as e:
+            raise DataError(f"dataset '{name}': {p}: {type(e).__name__}: {e}") from None
         if "data" not in d or label_key not in d:
             raise DataError(f"dataset '{name}': {p} lacks 'data' or '{label_key}'")
         data = np.asarray(d["data"], dtype=np.uint8)
@@ -420,6 +433,18 @@ def _read_tarball(tar_path: Path) -> list[tuple[str, str, str, bytes]]:
     absolute path, a '..' component or a link/device type are still refused, so a
     crafted archive is reported instead of half-loaded.
     """
+    try:
+        found = _tar_members(tar_path)
+    except _DAMAGED as exc:
+        raise DataError(f"{tar_path}: corrupt or truncated archive ({type(exc).__name__}: {exc})") from None
+    if not found:
+        raise DataError(f"{tar_path}: holds no train/<class>/ or test/<class>/ images")
+    # Several trees in one archive: take the shallowest (the usual single top folder).
+    return found[min(found, key=lambda k: (k.count("/") + bool(k), k))]
+
+
+def _tar_members(tar_path: Path) -> dict[str, list[tuple[str, str, str, bytes]]]:
+    """The archive's images grouped by the folder that holds train/ and test/."""
     found: dict[str, list[tuple[str, str, str, bytes]]] = {}
     with tarfile.open(tar_path, "r:*") as tf:
         for m in tf:
@@ -435,10 +460,7 @@ def _read_tarball(tar_path: Path) -> list[tuple[str, str, str, bytes]]:
             if hit is not None:
                 prefix, split, cls, fname = hit
                 found.setdefault(prefix, []).append((split, cls, fname, tf.extractfile(m).read()))
-    if not found:
-        raise DataError(f"{tar_path}: holds no train/<class>/ or test/<class>/ images")
-    # Several trees in one archive: take the shallowest (the usual single top folder).
-    return found[min(found, key=lambda k: (k.count("/") + bool(k), k))]
+    return found
 
 
 def _read_tree(tree: Path) -> list[tuple[str, str, str, bytes]]:
@@ -451,14 +473,49 @@ def _read_tree(tree: Path) -> list[tuple[str, str, str, bytes]]:
     return items
 
 
-def _tree_root(base: Path) -> Path | None:
-    """The folder holding train/ and test/ (the tree may sit one level down)."""
-    if (base / "train").is_dir() and (base / "test").is_dir():
-        return base
-    for s in sorted(p for p in base.iterdir() if p.is_dir()):
-        if (s / "train").is_dir() and (s / "test").is_dir():
-            return s
-    return None
+_TAR_EXT = (".tar.gz", ".tgz", ".tar")
+
+
+def _is_image_tree(d: Path) -> bool:
+    """train/ and test/, each with class folders that hold images (FEMNIST's train/ and
+    test/ of JSON files do not count)."""
+    return all(_holds_class_images(d / s) for s in ("train", "test"))
+
+
+def _holds_class_images(split: Path) -> bool:
+    return split.is_dir() and any(
+        c.is_dir() and any(f.name.lower().endswith(_IMG_EXT) for f in c.iterdir()) for c in split.iterdir())
+
+
+def _image_sources(d: Path) -> list[Path]:
+    """What folder d offers: itself when it is an image tree, else the tarballs it holds."""
+    if _is_image_tree(d):
+        return [d]
+    return sorted(p for p in d.iterdir() if p.is_file() and p.name.endswith(_TAR_EXT))
+
+
+def _find_image_folder(name: str, root: Path, download: bool) -> Path:
+    """The tree or tarball to read: root itself when it is one, else the only one in root
+    or one folder below it. None, or several, is a DataError naming what is there."""
+    if root.is_file() and root.name.endswith(_TAR_EXT):
+        return root
+    if not root.is_dir():
+        raise DataError(f"dataset '{name}': root {root} is not a folder or a .tar.gz")
+    subdirs = sorted(p for p in root.iterdir() if p.is_dir())
+    found = _image_sources(root) or [p for s in subdirs for p in _image_sources(s)]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise DataError(f"dataset '{name}': several image folders under {root}: "
+                        f"{', '.join(str(p) for p in found)}; set the root to one of them")
+    # the usual mistake: a folder of datasets, one of which has train/ and test/ of other files
+    misses = [str(d) for d in [root, *subdirs] if (d / "train").is_dir() and (d / "test").is_dir()]
+    seen = (f"; train/ and test/ without class folders of images in {', '.join(misses)}" if misses
+            else f"; it holds {', '.join(p.name for p in sorted(root.iterdir())[:10]) or 'nothing'}")
+    raise DataError(
+        f"dataset '{name}': no image folder under {root} (looked in it and its sub-folders for "
+        f"train/<class>/ and test/<class>/ holding images, or a .tar.gz of such a tree){seen}"
+        + (" (no download is available for it)" if download else ""))
 
 
 def _decode_images(items: list[tuple[str, bytes]]) -> np.ndarray:
@@ -504,30 +561,8 @@ def _decode_images(items: list[tuple[str, bytes]]) -> np.ndarray:
 
 def _load_imagefolder(name: str, root: Path | None, train: bool, download: bool) -> Dataset:
     root = _need_root(name, root)
-    # Where the data may be: the tarball itself, a folder with the tree, or a folder
-    # (root or root/cifar10-jpg) holding exactly one tarball.
-    tarball, tree = None, None
-    if root.is_file() and root.name.endswith((".tar.gz", ".tgz", ".tar")):
-        tarball = root
-    else:
-        for d in (root, root / "cifar10-jpg"):
-            if not d.is_dir():
-                continue
-            tree = _tree_root(d)
-            if tree is not None:
-                break
-            tars = sorted(p for p in d.iterdir() if p.name.endswith((".tar.gz", ".tgz", ".tar")))
-            if len(tars) > 1:
-                raise DataError(f"dataset '{name}': several tarballs in {d}: {[t.name for t in tars]}; pass one as root")
-            if tars:
-                tarball = tars[0]
-                break
-    if tarball is None and tree is None:
-        hint = " (no download is available for it)" if download else ""
-        raise DataError(
-            f"dataset '{name}': no image folder in {root} (looked for train/<class>/ and "
-            f"test/<class>/, or a *.tar.gz holding them, in {root} and {root / 'cifar10-jpg'}){hint}"
-        )
+    source = _find_image_folder(name, root, download)
+    tarball, tree = (source, None) if source.is_file() else (None, source)
 
     if tarball is not None:
         st = tarball.stat()
@@ -587,8 +622,7 @@ def _load_femnist(root: Path | None, train: bool, download: bool) -> Dataset:
         for part, files in (("train", tr_files), ("test", te_files)):
             xs, ys, users = [], [], []
             for p in files:
-                with open(p) as f:
-                    d = json.load(f)
+                d = _leaf_json(p)
                 for u in d["users"]:
                     ud = d["user_data"][u]
                     if len(ud["y"]) == 0:
@@ -622,7 +656,29 @@ def _load_femnist(root: Path | None, train: bool, download: bool) -> Dataset:
         )
 
 
+def _leaf_json(path: Path) -> dict:
+    """One LEAF file; a damaged or foreign one is a DataError naming it."""
+    try:
+        d = json.loads(_read_bytes(path))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: not LEAF JSON ({type(exc).__name__}: {short(str(exc))})") from None
+    users = d.get("users") if isinstance(d, dict) else None
+    if not isinstance(users, list) or not isinstance(d.get("user_data"), dict) \
+            or any(u not in d["user_data"] for u in users):
+        raise DataError(f"{path}: not LEAF JSON (expected 'users' and 'user_data' for each of them)")
+    return d
+
+
 # ----------------------------------------------------------------------------- entry point
+
+
+def dataset_key(name: str) -> tuple[str, str] | None:
+    """(loader, EMNIST split or '') for a dataset name, or None when no loader knows it.
+    ``-`` and ``_`` are interchangeable, case does not matter."""
+    base, _, split = name.strip().lower().replace("-", "_").partition(":")
+    if base not in DATASETS or (split and (base != "emnist" or split not in EMNIST_SPLITS)):
+        return None
+    return base, split
 
 
 def load_dataset(name: str, root: str | os.PathLike | None, train: bool, download: bool = False) -> Dataset:
@@ -633,9 +689,18 @@ def load_dataset(name: str, root: str | os.PathLike | None, train: bool, downloa
     ``download=True`` torchvision fetches MNIST, Fashion-MNIST, EMNIST and CIFAR into
     ``root`` when they are not found; otherwise a missing file raises :class:`DataError`.
     """
-    key = name.strip().lower().replace("-", "_")
-    base, _, split = key.partition(":")
+    base, _, split = name.strip().lower().replace("-", "_").partition(":")
     r = Path(root).expanduser() if root is not None else None
+    ds = _load_split(base, split, r, train, download)
+    if ds is None:
+        raise DataError(f"dataset '{name}': unknown (supported: {', '.join(DATASETS)})")
+    if len(ds) == 0 or ds.num_classes == 0:  # a partition of nothing would fail far from the cause
+        raise DataError(f"dataset '{name}' (root {r}): the {'train' if train else 'test'} split holds "
+                        f"{len(ds)} images of {ds.num_classes} classes")
+    return ds
+
+
+def _load_split(base: str, split: str, r: Path | None, train: bool, download: bool) -> Dataset | None:
     if base == "digits":
         return _load_digits(train)
     if base in _MNIST_LIKE:
@@ -648,4 +713,5 @@ def load_dataset(name: str, root: str | os.PathLike | None, train: bool, downloa
         return _load_imagefolder(base, r, train, download)
     if base == "femnist":
         return _load_femnist(r, train, download)
-    raise DataError(f"dataset '{name}': unknown (supported: {', '.join(DATASETS)})")
+    return None
+

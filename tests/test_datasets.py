@@ -362,3 +362,77 @@ def test_no_root_and_unknown_name():
         load_dataset("mnist", None, train=True)
     with pytest.raises(DataError, match="unknown"):
         load_dataset("imagenet", "/tmp", train=True)
+
+
+# ----------------------------------------------------------------------------- finding the image folder
+
+
+def write_leaf(base: Path) -> None:
+    """A FEMNIST-like folder: train/ and test/ of JSON files, no class folders."""
+    for split in ("train", "test"):
+        (base / split).mkdir(parents=True)
+        (base / split / "all.json").write_text(json.dumps({"users": [], "num_samples": [], "user_data": {}}))
+
+
+def test_imagefolder_in_a_folder_of_datasets_skips_trees_without_class_images(tmp_path):
+    # the shared data layout: FEMNIST's train/ and test/ sit beside the image tree
+    write_leaf(tmp_path / "data" / "femnist")
+    write_tree(tmp_path / "data" / "cifar10-jpg", ext=".png")
+    tr = load_dataset("cifar10_jpg", tmp_path / "data", train=True)
+    check_tree_dataset(tr, load_dataset("cifar10_jpg", tmp_path / "data", train=False))
+
+
+def test_imagefolder_with_no_or_several_candidates_names_what_it_found(tmp_path):
+    write_leaf(tmp_path / "data" / "femnist")
+    with pytest.raises(DataError) as exc:
+        load_dataset("cifar10_jpg", tmp_path / "data", train=True)
+    msg = str(exc.value)
+    assert "cifar10_jpg" in msg and str(tmp_path / "data") in msg
+    assert str(tmp_path / "data" / "femnist") in msg and "without class folders of images" in msg
+
+    write_tree(tmp_path / "data" / "a", ext=".png")
+    write_tree(tmp_path / "data" / "b", ext=".png")
+    with pytest.raises(DataError, match="several image folders") as exc:
+        load_dataset("cifar10_jpg", tmp_path / "data", train=True)
+    assert str(tmp_path / "data" / "a") in str(exc.value) and str(tmp_path / "data" / "b") in str(exc.value)
+
+
+def test_an_empty_dataset_is_a_data_error_naming_dataset_and_root(tmp_path):
+    rng = np.random.default_rng(0)
+    write_idx(tmp_path / "train-images-idx3-ubyte.gz", rand_images(rng, 0))
+    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", np.zeros(0, np.uint8))
+    with pytest.raises(DataError) as exc:
+        load_dataset("mnist", tmp_path, train=True)
+    assert "'mnist'" in str(exc.value) and str(tmp_path) in str(exc.value) and "0 images" in str(exc.value)
+
+
+# ----------------------------------------------------------------------------- damaged files
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated"])
+def test_damaged_gzip_is_a_data_error_naming_the_file(tmp_path, damage):
+    rng = np.random.default_rng(0)
+    write_idx(tmp_path / "train-images-idx3-ubyte.gz", rand_images(rng, 50))
+    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", rng.integers(0, 10, 50).astype(np.uint8))
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2] if damage == "truncated" else raw[:20] + b"\xff" * 200 + raw[220:])
+    with pytest.raises(DataError, match="corrupt or truncated") as exc:
+        load_dataset("mnist", tmp_path, train=True)
+    assert str(path) in str(exc.value)
+
+
+def test_truncated_tarball_and_broken_leaf_json_are_data_errors(tmp_path):
+    write_tree(tmp_path / "src", ext=".png")
+    tar = tmp_path / "t.tar.gz"
+    with tarfile.open(tar, "w:gz") as tf:
+        tf.add(tmp_path / "src", arcname="src")
+    tar.write_bytes(tar.read_bytes()[:300])
+    with pytest.raises(DataError, match="corrupt or truncated archive"):
+        load_dataset("imagefolder", tar, train=True)
+
+    leaf = tmp_path / "leaf"
+    write_leaf(leaf)
+    (leaf / "train" / "all.json").write_text('{"users": ["a"], "user_data": {"a": {"x": [[0.1')
+    with pytest.raises(DataError, match=r"all.json: not LEAF JSON"):
+        load_dataset("femnist", leaf, train=True)
