@@ -306,6 +306,21 @@ def _check_counts(n_clients: int, n_clusters: int | None = None) -> None:
         raise PartitionError(f"need 1 <= n_clusters <= n_clients (got {n_clusters} clusters, {n_clients} clients)")
 
 
+def _check_sizes(n_clients: int, n_avail: int, n_test: int, test_per_client: int,
+                 samples_per_client: int | None = None) -> None:
+    """Refuse what the data cannot give before anything is allocated per client: more
+    clients than training samples, or one client's shard larger than a whole split."""
+    if n_clients > n_avail:
+        raise PartitionError(f"partition.clients: {n_clients} clients, but the train split has only "
+                             f"{n_avail} samples for clients (each client needs at least one)")
+    if samples_per_client is not None and samples_per_client > n_avail:
+        raise PartitionError(f"partition.samples_per_client: {samples_per_client} per client, but the "
+                             f"train split has only {n_avail} samples for clients")
+    if test_per_client > n_test:
+        raise PartitionError(f"partition.test_per_client: {test_per_client} per client, but the test "
+                             f"split has only {n_test} samples")
+
+
 def _cluster_of(n_clients: int, n_clusters: int) -> np.ndarray:
     """Contiguous blocks: client m is in cluster m * C // M."""
     return (np.arange(n_clients) * n_clusters // n_clients).astype(np.int64)
@@ -346,6 +361,8 @@ def partition_clusters(
         raise PartitionError(f"on_short must be 'take' or 'fail' (got {on_short!r})")
     _check_counts(n_clients, n_clusters)
     y_train, y_test = _labels(y_train, "train"), _labels(y_test, "test")
+    mask = _exclude_mask(exclude, len(y_train))
+    _check_sizes(n_clients, int((~mask).sum()), len(y_test), test_per_client, samples_per_client)
     k_all = _num_classes(y_train, y_test, num_classes)
     layout = cluster_classes(n_clusters, classes_per_cluster, k_all, shared_classes)
     cluster = _cluster_of(n_clients, n_clusters)
@@ -356,7 +373,6 @@ def partition_clusters(
     for c, cls in enumerate(layout):
         need[np.ix_(cluster == c, np.array(cls))] = per_class
 
-    mask = _exclude_mask(exclude, len(y_train))
     owners, idx, given, notes = _take(y_train, need, rng, mask, "training")
     if notes and on_short == "fail":
         raise PartitionError("; ".join(notes))
@@ -394,8 +410,9 @@ def partition_dirichlet(
     if alpha <= 0:
         raise PartitionError(f"alpha must be > 0 (got {alpha})")
     y_train, y_test = _labels(y_train, "train"), _labels(y_test, "test")
-    k = _num_classes(y_train, y_test, num_classes)
     mask = _exclude_mask(exclude, len(y_train))
+    _check_sizes(n_clients, int((~mask).sum()), len(y_test), test_per_client, samples_per_client)
+    k = _num_classes(y_train, y_test, num_classes)
     avail = np.bincount(y_train[~mask], minlength=k).astype(np.int64)
     total = n_clients * samples_per_client
     if total > avail.sum():
@@ -494,11 +511,12 @@ def partition_structured(
     if alpha < 0 or delta < 0:
         raise PartitionError(f"alpha and delta must be >= 0 (got {alpha}, {delta})")
     y_train, y_test = _labels(y_train, "train"), _labels(y_test, "test")
+    mask = _exclude_mask(exclude, len(y_train))
+    _check_sizes(n_clients, int((~mask).sum()), len(y_test), test_per_client)
     k_all = _num_classes(y_train, y_test, num_classes)
     step = max(1, k_all // n_clusters)
     layout = cluster_classes(n_clusters, classes_per_cluster, k_all, classes_per_cluster - step)
     cluster = _cluster_of(n_clients, n_clusters)
-    mask = _exclude_mask(exclude, len(y_train))
 
     # Step 2: class c's images split among the clusters holding it.
     pools: list[list[np.ndarray]] = [[] for _ in range(n_clusters)]

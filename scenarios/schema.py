@@ -8,10 +8,11 @@ out-of-range value, so a bad scenario stops before anything starts.
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from scenarios.errors import FltError
+from scenarios.errors import FltError, short
 
 REQUIRED = object()
 
@@ -47,16 +48,18 @@ class Field:
             value = float(value)
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             names = " or ".join(t.__name__ for t in types)
-            raise ConfigError(f"{where}: expected {names}, got {value!r}")
+            raise ConfigError(f"{where}: expected {names}, got {short(value)}")
         if self.choices is not None and isinstance(value, str) and value not in self.choices:
-            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, self.choices))}")
+            raise ConfigError(f"{where}: {short(value)} is not one of {', '.join(map(str, self.choices))}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {value}")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if self.min is not None and (value < self.min or (self.open_min and value == self.min)):
                 raise ConfigError(f"{where}: {value} is below the minimum {'>' if self.open_min else '>='} {self.min}")
             if self.max is not None and value > self.max:
                 raise ConfigError(f"{where}: {value} is above the maximum {self.max}")
         if self.rule is not None and (expected := self.rule(value)):
-            raise ConfigError(f"{where}: expected {expected}, got {value!r}")
+            raise ConfigError(f"{where}: expected {expected}, got {short(value)}")
         return value
 
 
@@ -65,8 +68,9 @@ def validate(data: dict, schema: dict[str, Field], where: str = "") -> dict:
     out = {}
     for key in data:
         if key not in schema:
-            hint = difflib.get_close_matches(str(key), list(schema), n=1)
-            path = f"{where}.{key}" if where else str(key)
+            key = short(key) if not isinstance(key, str) else key[:80]
+            hint = difflib.get_close_matches(key, list(schema), n=1)
+            path = f"{where}.{key}" if where else key
             raise ConfigError(f"{path}: unknown field" + (f" (did you mean '{hint[0]}'?)" if hint else "")
                               + f"; known fields: {', '.join(schema)}")
     for key, f in schema.items():
