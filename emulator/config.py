@@ -6,16 +6,19 @@ run with a message naming the file and the field (e.g. `train.lr`).
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import yaml
 
-from scenarios.datasets import DATASETS
+from scenarios.datasets import DATASETS, dataset_key
+from scenarios.errors import short
 from scenarios.schema import ConfigError, Field, MethodSpec, section, validate
 from server.strategies import STRATEGIES
 
 DATA = {
-    "dataset": Field(str, "digits", "dataset name", choices=DATASETS),
+    "dataset": Field(str, "digits", "dataset name", rule=lambda v: None if dataset_key(v) else
+                     f"one of {', '.join(DATASETS)} (emnist:<split> for an EMNIST split)"),
     "root": Field(str, None, "data root holding the dataset's files (not needed for digits)", nullable=True),
     "download": Field(bool, False, "let torchvision download missing files (needs internet)"),
 }
@@ -108,14 +111,18 @@ def load(path: str | Path, overrides: list[str] = (), methods: list[str] | None 
     if not path.is_file():
         raise ConfigError(f"{path}: scenario file not found")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        raw = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid YAML: {_one_line(exc)}") from None
+    if raw is None:
+        raise ConfigError(f"{path}: the file is empty (a scenario needs at least one field, e.g. name)")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of fields")
     try:
+        resolve_paths(raw, path.resolve().parent)  # the file's own paths: against its folder
         for item in overrides:
             apply_override(raw, item)
+        resolve_paths(raw, Path.cwd())  # what --set gave: against where the user typed it
         if methods is not None:
             raw["methods"] = select_methods(raw.get("methods") or [], methods)
         return resolve(raw)
@@ -133,28 +140,85 @@ def apply_override(raw: dict, item: str) -> None:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {key}: {p} is not a section")
-    node[parts[-1]] = yaml.safe_load(value)
+    try:
+        node[parts[-1]] = yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {key}: value {short(value)} is not valid YAML: {_one_line(exc)}") from None
+
+
+def _one_line(exc: Exception) -> str:
+    """A YAML error's message (its problem and where) on one line."""
+    return " ".join(str(exc).split())
+
+
+# Fields that name files or folders, as paths of keys from the top of the scenario.
+PATH_FIELDS = (("data", "root"), ("population", "profiles", "trace"),
+               ("population", "profiles", "fedscale_capacity"), ("population", "profiles", "fedscale_behave"))
+
+
+def resolve_paths(raw: dict, base: Path) -> None:
+    """Make relative paths absolute against `base`, in place: data.root, the profile
+    files and every method's encoder.root. Absolute paths and `~` stay as they are."""
+    holders = []
+    for keys in PATH_FIELDS:
+        node = raw
+        for k in keys[:-1]:
+            node = node.get(k) if isinstance(node, dict) else None
+        holders.append((node, keys[-1]))
+    methods = raw.get("methods")
+    for entry in methods if isinstance(methods, list) else []:
+        holders.append((entry.get("encoder") if isinstance(entry, dict) else None, "root"))
+    for node, key in holders:
+        if isinstance(node, dict) and isinstance(node.get(key), str) and node[key]:
+            node[key] = _against(node[key], base)
+
+
+def _against(value: str, base: Path) -> str:
+    if value.startswith("~") or Path(value).is_absolute():
+        return value
+    return os.path.normpath(base / value)
 
 
 def resolve(raw: dict) -> dict:
     cfg = validate(copy.deepcopy(raw), SCENARIO)
     cfg["methods"] = [m.__dict__ for m in parse_methods(cfg["methods"])]
-    _check_events(cfg["population"], cfg["train"]["rounds"])
+    _check_events(cfg["population"], cfg["train"]["rounds"], cfg["partition"])
     if cfg["devices"]["processes"] == 0 and cfg["devices"]["external"] == 0:
         raise ConfigError("devices.processes: 0 local processes and no external devices: nobody would train")
     for dev, rnd in cfg["devices"]["crash"].items():
         if not (isinstance(dev, int) and isinstance(rnd, int) and rnd >= 1):
-            raise ConfigError(f"devices.crash: expected {{device index: round}}, got {dev!r}: {rnd!r}")
+            raise ConfigError(f"devices.crash: expected {{device index: round}}, got {short(dev)}: {short(rnd)}")
     p = cfg["partition"]
     if p["kind"] in ("clusters", "structured") and p["classes_per_cluster"] <= p["shared_classes"]:
         raise ConfigError("partition.shared_classes: must be smaller than partition.classes_per_cluster")
     if cfg["data"]["dataset"] != "digits" and not cfg["data"]["root"] and not cfg["data"]["download"]:
         raise ConfigError(f"data.root: dataset {cfg['data']['dataset']!r} needs a data root "
                           "(or data.download: true on a machine with internet)")
+    for i, spec in enumerate(cfg["methods"]):
+        if isinstance(spec["params"].get("encoder"), dict):
+            _check_encoder(spec["params"]["encoder"], cfg, f"methods[{i}]({spec['label']}).encoder")
     return cfg
 
 
-def _check_events(pop: dict, rounds: int) -> None:
+def _check_encoder(source: dict, cfg: dict, where: str) -> None:
+    """An encoder's pretraining set, checked before anything starts (FCR loads it mid-run)."""
+    name, data = source["dataset"], cfg["data"]
+    if name == "public":
+        if cfg["partition"]["public_fraction"] <= 0:
+            raise ConfigError(f"{where}.dataset: 'public' needs partition.public_fraction > 0 "
+                              "(a held-out slice of the train split that no client receives)")
+        return
+    if dataset_key(name) is None:
+        raise ConfigError(f"{where}.dataset: {short(name)} is neither 'public' nor a dataset "
+                          f"({', '.join(DATASETS)})")
+    if dataset_key(name) == dataset_key(data["dataset"]):
+        raise ConfigError(f"{where}.dataset: {name!r} is the clients' own dataset; use 'public' "
+                          "(the held-out slice) so no client training image is seen")
+    if dataset_key(name)[0] != "digits" and not (source.get("root") or data["root"]):
+        raise ConfigError(f"{where}.root: dataset {name!r} needs a data root (here or in data.root)")
+
+
+def _check_events(pop: dict, rounds: int, partition: dict) -> None:
     for kind, need in (("newcomers", ("round",)), ("drift", ("round", "clients"))):
         for i, ev in enumerate(pop[kind]):
             where = f"population.{kind}[{i}]"
@@ -163,30 +227,65 @@ def _check_events(pop: dict, rounds: int) -> None:
             if kind == "drift":
                 need = need + (("labels",) if ev.get("kind") == "swap_labels" else ("to_cluster",))
                 if ev.get("kind", "move") not in ("move", "swap_labels"):
-                    raise ConfigError(f"{where}.kind: 'move' or 'swap_labels', got {ev.get('kind')!r}")
+                    raise ConfigError(f"{where}.kind: 'move' or 'swap_labels', got {short(ev.get('kind'))}")
             optional = {"cluster", "clients"} if kind == "newcomers" else {"kind"}
             extra = set(ev) - set(need) - optional
             if extra:
-                raise ConfigError(f"{where}: unknown field(s) {sorted(extra)}")
+                raise ConfigError(f"{where}: unknown field(s) {short(sorted(extra))}")
             for key in need:
                 if key not in ev:
                     raise ConfigError(f"{where}.{key}: required field is missing")
             if not isinstance(ev["round"], int) or not 2 <= ev["round"] <= rounds:
-                raise ConfigError(f"{where}.round: expected a round in 2..{rounds}, got {ev['round']!r}")
+                raise ConfigError(f"{where}.round: expected a round in 2..{rounds}, got {short(ev['round'])}")
             if kind == "newcomers" and ("cluster" in ev) == ("clients" in ev):
                 raise ConfigError(f"{where}: give either 'cluster' or 'clients'")
+            _check_event_values(ev, where, partition)
+
+
+def _check_event_values(ev: dict, where: str, partition: dict) -> None:
+    """Client ids, clusters and labels of one newcomer or drift event, before any allocation."""
+    m, c = partition["clients"], partition["clusters"]
+    if "clients" in ev:
+        ids = ev["clients"]
+        if (not isinstance(ids, list) or not ids or len(ids) > m
+                or not all(_is_int(i) and 0 <= i < m for i in ids) or len(set(ids)) != len(ids)):
+            raise ConfigError(f"{where}.clients: expected distinct client ids in 0..{m - 1}, got {short(ids)}")
+    for key in ("cluster", "to_cluster"):
+        if key in ev and not (_is_int(ev[key]) and 0 <= ev[key] < c):
+            raise ConfigError(f"{where}.{key}: expected a cluster in 0..{c - 1}, got {short(ev[key])}")
+    if "labels" in ev:
+        pair = ev["labels"]
+        if not (isinstance(pair, list) and len(pair) == 2 and all(_is_int(i) and i >= 0 for i in pair)
+                and pair[0] != pair[1]):
+            raise ConfigError(f"{where}.labels: expected two different class labels [i, j], got {short(pair)}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def select_methods(entries: list, names: list[str]) -> list:
     if not names:
         raise ConfigError("--methods: name at least one method")
-    named = [(e if isinstance(e, str) else e.get("name") if isinstance(e, dict) else None, e) for e in entries]
-    chosen = []
-    for name in names:
-        if name not in STRATEGIES:
-            raise ConfigError(f"--methods: unknown method {name!r}; known: {', '.join(STRATEGIES)}")
-        chosen += [e for n, e in named if n == name] or [name]
+    named = [(_entry_field(e, "name"), _entry_field(e, "label") or _entry_field(e, "name"), e) for e in entries]
+    chosen: list = []
+    for word in names:
+        # a method name picks every entry of that method; any other word, the entry with that label
+        picked = [e for n, _, e in named if n == word] or ([word] if word in STRATEGIES else [])
+        picked = picked or [e for _, label, e in named if label == word]
+        if not picked:
+            labels = [label for _, label, _ in named if label]
+            raise ConfigError(f"--methods: unknown method or label {short(word)}; methods: "
+                              f"{', '.join(STRATEGIES)}; labels in this scenario: {', '.join(map(str, labels))}")
+        chosen += [e for e in picked if not any(e is c for c in chosen)]
     return chosen
+
+
+def _entry_field(entry, key: str):
+    """A method entry's name or label: the string itself, or that key of its mapping."""
+    if isinstance(entry, str):
+        return entry if key == "name" else None
+    return entry.get(key) if isinstance(entry, dict) else None
 
 
 def parse_methods(entries: list) -> list[MethodSpec]:
@@ -204,6 +303,9 @@ def parse_methods(entries: list) -> list[MethodSpec]:
         if name not in STRATEGIES:
             raise ConfigError(f"{where}.name: unknown method {name!r}; known: {', '.join(STRATEGIES)}")
         params = validate(entry, STRATEGIES[name].PARAMS, f"{where}({name})")
+        check = getattr(STRATEGIES[name], "check_params", None)
+        if check and (problem := check(params)):
+            raise ConfigError(f"{where}({name}): {problem}")
         spec = MethodSpec(name, params, label or name)
         if spec.label in labels:
             raise ConfigError(f"{where}: method label {spec.label!r} appears twice; give one a 'label'")
