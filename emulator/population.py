@@ -22,6 +22,7 @@ import numpy as np
 
 from emulator.clock import EmulatedClock, close_round, overcommit_count, task_seconds
 from emulator.profiles import Profiles
+from scenarios.schema import ConfigError
 
 
 @dataclass
@@ -184,30 +185,52 @@ def rounds_to_recover(history: list[dict], event_round: int, until: int | None =
             back["emulated_s"] - evals[len(before) - 1].get("emulated_s", 0.0)}
 
 
-def schedule_from(cfg: dict, truth: np.ndarray) -> Schedule:
+def schedule_from(cfg: dict, truth: np.ndarray, num_classes: int | None = None) -> Schedule:
     """Newcomers: the clients of a planted cluster (or listed ids) withheld until a round.
     Drift `move`: each listed client swaps its data with a client of the target cluster (a
     different one per drifting client), so no sample is duplicated. Drift `swap_labels`:
-    the listed clients' classes i and j trade labels (a concept shift the images do not show)."""
+    the listed clients' classes i and j trade labels (a concept shift the images do not show).
+    Checked against the partition (built before any process starts): a ConfigError names
+    the event when its clients do not exist or cannot do what it asks."""
     pop = cfg.get("population") or {}
     sched = Schedule()
-    for ev in pop.get("newcomers") or []:
-        ids = np.flatnonzero(truth == ev["cluster"]) if ev.get("cluster") is not None else \
-            np.asarray(ev["clients"], dtype=np.int64)
-        sched.arrivals[ev["round"]] = np.sort(ids)
+    for i, ev in enumerate(pop.get("newcomers") or []):
+        sched.arrivals[ev["round"]] = _newcomers(ev, truth, sched, f"population.newcomers[{i}]")
     late = set(np.concatenate(list(sched.arrivals.values())).tolist()) if sched.arrivals else set()
+    if len(late) >= len(truth):
+        raise ConfigError("population.newcomers: every client arrives late; nobody would train in round 1")
     used: set[int] = set()
-    for ev in pop.get("drift") or []:
+    for i, ev in enumerate(pop.get("drift") or []):
+        where = f"population.drift[{i}]"
         movers, changes = list(ev["clients"]), sched.drift.setdefault(ev["round"], [])
+        if max(movers) >= len(truth):
+            raise ConfigError(f"{where}.clients: client {max(movers)} does not exist ({len(truth)} clients)")
         if ev.get("kind", "move") == "swap_labels":
+            if num_classes is not None and max(ev["labels"]) >= num_classes:
+                raise ConfigError(f"{where}.labels: {ev['labels']} but the dataset has classes 0..{num_classes - 1}")
             changes += [{"kind": "swap_labels", "client": int(c), "labels": list(ev["labels"])} for c in movers]
             continue
         partners = [int(c) for c in np.flatnonzero(truth == ev["to_cluster"])
                     if int(c) not in late and int(c) not in used and int(c) not in movers]
         if len(partners) < len(movers):
-            raise ValueError(f"population.drift round {ev['round']}: cluster {ev['to_cluster']} has "
-                             f"{len(partners)} clients free to swap with, {len(movers)} needed")
+            raise ConfigError(f"{where}: cluster {ev['to_cluster']} has {len(partners)} clients free to "
+                              f"swap with (present from the start, not drifting), {len(movers)} needed")
         pairs = list(zip(movers, partners[-len(movers):]))
         used.update(p for _, p in pairs)
         changes += [{"kind": "move", "client": int(a), "partner": int(b)} for a, b in pairs]
     return sched
+
+
+def _newcomers(ev: dict, truth: np.ndarray, sched: Schedule, where: str) -> np.ndarray:
+    """The sorted ids one newcomer event withholds; each client arrives at most once."""
+    if ev.get("cluster") is not None:
+        ids = np.flatnonzero(truth == ev["cluster"])
+        if len(ids) == 0:
+            raise ConfigError(f"{where}.cluster: no client belongs to cluster {ev['cluster']}")
+    else:
+        ids = np.asarray(ev["clients"], dtype=np.int64)
+        if ids.max() >= len(truth):
+            raise ConfigError(f"{where}.clients: client {ids.max()} does not exist ({len(truth)} clients)")
+    if ev["round"] in sched.arrivals or any(np.isin(ids, a).any() for a in sched.arrivals.values()):
+        raise ConfigError(f"{where}: a round or a client appears in two newcomer events")
+    return np.sort(ids)

@@ -182,11 +182,16 @@ def wait_external(transport: Transport, local: list[str], n: int, timeout_s: flo
 
 
 def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
-    run_dir = make_run_dir(cfg, out)
-    progress(f"run folder: {run_dir}")
+    data = cfg["data"]
+    progress(f"data: {data['dataset']}" + (f" from {_abs(data['root'])}" if data["root"] else ""))
     train, test = load_data(cfg)
     public = hold_out_public(cfg, len(train.y))
     partition = build_partition(cfg, train, test, public)
+    # checked against the partition before any folder or process exists
+    schedule = schedule_from(cfg, partition.cluster, train.num_classes)
+    profiles = assign_profiles(cfg["population"]["profiles"], partition.n_clients, cfg["seed"])
+    run_dir = make_run_dir(cfg, out)
+    progress(f"run folder: {run_dir}")
     partition.save(run_dir / "partition.npz")
     np.save(run_dir / "public_indices.npy", public)
     for note in partition.notes:
@@ -210,7 +215,6 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
                                  cfg["devices"]["start_timeout_s"], progress)
         meta = {"dataset": {"name": cfg["data"]["dataset"], "root": _abs(cfg["data"]["root"]),
                             "download": cfg["data"]["download"]}, "model": model_spec}
-        schedule = schedule_from(cfg, partition.cluster)
         late = np.concatenate(list(schedule.arrivals.values())) if schedule.arrivals else np.zeros(0, np.int64)
         first = np.setdiff1d(np.arange(partition.n_clients), late)
         assign_clients(transport, partition, devices, meta, cfg["devices"]["start_timeout_s"], first)
@@ -223,7 +227,6 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
         fed = Federation(transport, cfg["train"], cfg["seed"], cfg["devices"]["round_timeout_s"], ctx.device,
                          shard_sizes=lambda c: (len(partition.train[c]), len(partition.test[c])))
         dynamics = Dynamics(transport, fleet, partition, meta, ctx, cfg, progress)
-        profiles = assign_profiles(cfg["population"]["profiles"], partition.n_clients, cfg["seed"])
         for spec in cfg["methods"]:
             population = make_population(cfg, ctx, schedule, profiles, dynamics)
             try:

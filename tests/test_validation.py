@@ -1,0 +1,306 @@
+"""Bad input stops a run with one line that names the file or field (exit 2), before any
+run folder or process exists; a bug keeps its traceback (exit 1)."""
+from __future__ import annotations
+
+import gzip
+import os
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from emulator import config
+from emulator.population import schedule_from
+from scenarios import partition as part
+from scenarios.errors import FltError
+from scenarios.schema import ConfigError
+from server.strategies import STRATEGIES
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
+SHARED = REPO.parent / "shared" / "data"
+
+
+def flt(*args, cwd=REPO, timeout=300):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "emulator.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def assert_one_line_error(res, code: int, *words: str) -> None:
+    assert res.returncode == code, res.stderr + res.stdout
+    assert "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.startswith("error: ") and res.stderr.count("\n") == 1, res.stderr
+    for w in words:
+        assert w in res.stderr, (w, res.stderr)
+
+
+# -- every float field refuses NaN and infinity --------------------------------------------
+
+def float_fields(schema: dict, prefix: str = ""):
+    for key, f in schema.items():
+        path = f"{prefix}{key}"
+        if f.schema is not None:
+            yield from float_fields(f.schema, path + ".")
+        elif float in (f.types if isinstance(f.types, tuple) else (f.types,)):
+            yield path
+
+
+def nested(path: str, value: str) -> str:
+    """'encoder.lr', '.nan' -> 'encoder: {lr: .nan}' (YAML flow)."""
+    head, _, rest = path.partition(".")
+    return f"{head}: {value}" if not rest else f"{head}: {{{nested(rest, value)}}}"
+
+
+SCENARIO_FLOATS = list(float_fields(config.SCENARIO))
+METHOD_FLOATS = [(name, p) for name, cls in STRATEGIES.items() for p in float_fields(cls.PARAMS)]
+
+
+def test_the_walk_finds_the_float_fields():
+    assert {"train.lr", "train.participation", "partition.alpha", "devices.round_timeout_s"} <= set(SCENARIO_FLOATS)
+    assert ("fedprox", "mu") in METHOD_FLOATS and ("flt", "encoder.lr") in METHOD_FLOATS
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_nan_and_inf_are_refused_for_every_float_field(value):
+    for path in SCENARIO_FLOATS:
+        with pytest.raises(ConfigError, match=rf"{QUICKSTART}: {path}: expected a finite number"):
+            config.load(QUICKSTART, [f"{path}={value}"])
+    for name, path in METHOD_FLOATS:
+        entry = "{name: %s, %s}" % (name, nested(path, value))
+        with pytest.raises(ConfigError, match=rf"methods\[0\]\({name}\)\.{path}: expected a finite number"):
+            config.load(QUICKSTART, [f"methods=[{entry}]"])
+
+
+# -- an alias bomb costs nothing --------------------------------------------------------------
+
+def alias_bomb(levels: int = 9) -> str:
+    """Nine levels of nine references, in one YAML flow list: 9**9 (387 million) strings
+    once expanded, from under 500 bytes."""
+    items = ["&a0 [" + ", ".join(["lol"] * 9) + "]"]
+    items += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "[" + ", ".join(items) + "]"
+
+
+BOMB_SITES = {
+    "train.rounds": "train: {{rounds: {}}}\n",
+    "name": "name: {}\n",
+    "devices.crash": "devices: {{crash: {{0: {}}}}}\n",
+    "methods": "methods: {}\n",
+    "population.drift": "population: {{drift: [{{round: 2, clients: {}, to_cluster: 1}}]}}\n",
+    "--set": "",
+}
+
+
+@pytest.mark.parametrize("site", BOMB_SITES)
+def test_a_yaml_alias_bomb_gives_a_short_error_without_expanding(tmp_path, site):
+    bomb = alias_bomb()
+    assert len(bomb) < 500
+    path = tmp_path / "bomb.yaml"
+    path.write_text(BOMB_SITES[site].format(bomb) or "name: x\n")
+    overrides = [f"population.newcomers={bomb}"] if site == "--set" else []
+    tracemalloc.start()
+    try:
+        with pytest.raises(ConfigError) as exc:
+            config.load(path, overrides)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(str(exc.value)) < 400, len(str(exc.value))
+    assert peak < 20e6, peak  # the full repr would take gigabytes
+    assert str(path) in str(exc.value)
+
+
+# -- sizes the data cannot give are refused before allocating ---------------------------------
+
+def test_more_clients_than_samples_is_refused_before_allocating():
+    y_train, y_test = np.repeat(np.arange(10), 100), np.repeat(np.arange(10), 20)
+    rng = np.random.default_rng(0)
+    tracemalloc.start()
+    try:
+        with pytest.raises(part.PartitionError, match=r"partition.clients: 10000000 clients.*1000 samples"):
+            part.partition_clusters(y_train, y_test, n_clients=10_000_000, n_clusters=5, classes_per_cluster=2,
+                                    shared_classes=0, samples_per_client=10, test_per_client=5, rng=rng)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 5e6, peak
+    with pytest.raises(part.PartitionError, match="partition.samples_per_client: 2000"):
+        part.partition_dirichlet(y_train, y_test, n_clients=2, alpha=0.5, samples_per_client=2000,
+                                 test_per_client=5, rng=rng)
+    with pytest.raises(part.PartitionError, match="partition.test_per_client: 500"):
+        part.partition_structured(y_train, y_test, n_clients=4, n_clusters=2, classes_per_cluster=2,
+                                  alpha=1.0, delta=0.5, test_per_client=500, rng=rng)
+
+
+# -- newcomer and drift schedules -------------------------------------------------------------
+
+@pytest.mark.parametrize("pop, words", [
+    ({"newcomers": [{"round": 3, "cluster": 7}]}, ["newcomers[0].cluster", "0..4"]),
+    ({"newcomers": [{"round": 3, "clients": [1, 99]}]}, ["newcomers[0].clients", "0..19"]),
+    ({"newcomers": [{"round": 3, "clients": [1, 1]}]}, ["newcomers[0].clients", "distinct"]),
+    ({"drift": [{"round": 3, "clients": [0], "to_cluster": 9}]}, ["drift[0].to_cluster", "0..4"]),
+    ({"drift": [{"round": 3, "clients": [0], "kind": "swap_labels", "labels": [1, 1]}]},
+     ["drift[0].labels", "two different"]),
+    ({"drift": [{"round": 3, "clients": "all", "to_cluster": 1}]}, ["drift[0].clients"]),
+])
+def test_bad_schedules_are_refused_by_validation(tmp_path, pop, words):
+    import yaml
+
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"population": pop, "train": {"rounds": 5}}))
+    with pytest.raises(ConfigError) as exc:
+        config.load(path)
+    for w in words:
+        assert w in str(exc.value), (w, str(exc.value))
+
+
+def test_schedules_are_checked_against_the_partition():
+    truth = np.repeat(np.arange(5), 4)
+    cfg = {"population": {"newcomers": [{"round": 3, "cluster": 4}],
+                          "drift": [{"round": 4, "clients": [0, 1], "to_cluster": 4}]}}
+    with pytest.raises(ConfigError, match=r"drift\[0\]: cluster 4 has 0 clients free"):
+        schedule_from(cfg, truth)  # cluster 4 is still away when its members should swap
+    with pytest.raises(ConfigError, match=r"newcomers\[0\].cluster: no client belongs to cluster 4"):
+        schedule_from({"population": {"newcomers": [{"round": 3, "cluster": 4}]}}, np.full(20, -1))
+    with pytest.raises(ConfigError, match=r"drift\[0\].labels: \[3, 12\] but the dataset has classes 0..9"):
+        schedule_from({"population": {"drift": [{"round": 3, "clients": [0], "kind": "swap_labels",
+                                                  "labels": [3, 12]}]}}, truth, num_classes=10)
+
+
+def test_encoder_sources_are_checked_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match=r"methods\[0\]\(flt\).encoder.dataset: 'public' needs"):
+        config.load(QUICKSTART, ["partition.public_fraction=0", "methods=[flt]"])
+    with pytest.raises(ConfigError, match=r"encoder.dataset: 'nope' is neither 'public' nor a dataset"):
+        config.load(QUICKSTART, ["methods=[{name: flt, encoder: {dataset: nope}}]"])
+    with pytest.raises(ConfigError, match=r"encoder.dataset: 'digits' is the clients' own dataset"):
+        config.load(QUICKSTART, ["methods=[{name: pca_km_hc, encoder: {dataset: digits}}]"])
+    with pytest.raises(ConfigError, match=r"encoder.root: dataset 'femnist' needs a data root"):
+        config.load(QUICKSTART, ["methods=[{name: flt, encoder: {dataset: femnist}}]"])
+
+
+# -- relative paths and --methods labels ------------------------------------------------------
+
+def test_relative_paths_resolve_against_the_scenario_file_and_set_against_the_cwd(tmp_path, monkeypatch):
+    (tmp_path / "sc").mkdir()
+    path = tmp_path / "sc" / "x.yaml"
+    path.write_text("data: {dataset: mnist, root: ../data}\n"
+                    "population: {profiles: {trace: traces/t.csv}}\n"
+                    "methods: [fedavg, {name: flt, encoder: {dataset: femnist, root: ~/femnist}},\n"
+                    "          {name: flt, label: b, encoder: {dataset: fashion_mnist, root: /abs/fm}},\n"
+                    "          {name: flt, label: c, encoder: {dataset: femnist, root: ../fem}}]\n")
+    monkeypatch.chdir(REPO)
+    cfg = config.load(path)
+    assert cfg["data"]["root"] == str(tmp_path / "data")
+    assert cfg["population"]["profiles"]["trace"] == str(tmp_path / "sc" / "traces" / "t.csv")
+    roots = [m["params"]["encoder"]["root"] for m in cfg["methods"][1:]]
+    assert roots == ["~/femnist", "/abs/fm", str(tmp_path / "fem")]
+    monkeypatch.chdir(tmp_path)
+    assert config.load(path, ["data.root=mine"])["data"]["root"] == str(tmp_path / "mine")
+    # the saved config.yaml holds absolute paths: it runs again from anywhere
+    again = tmp_path / "elsewhere.yaml"
+    again.write_text(config.dump(cfg))
+    assert config.load(again)["data"]["root"] == str(tmp_path / "data")
+
+
+def test_compare_methods_accepts_labels_as_well_as_names():
+    s1 = REPO / "scenarios" / "s1_mnist.yaml"
+    labels = lambda names: [m["label"] for m in config.load(s1, [], names)["methods"]]  # noqa: E731
+    assert labels(["fedavg", "flt_enc1"]) == ["fedavg", "flt_enc1"]
+    assert labels(["flt"]) == ["flt_enc1", "flt_enc2"]
+    assert labels(["cfl_tuned", "ifca"]) == ["cfl_tuned", "ifca"]
+    assert labels(["flt", "flt_enc1"]) == ["flt_enc1", "flt_enc2"]  # each entry once
+    with pytest.raises(ConfigError, match=r"unknown method or label 'flt_enc3'; methods: .*fedavg.*"
+                                          r"labels in this scenario: .*flt_enc1, flt_enc2"):
+        config.load(s1, [], ["flt_enc3"])
+
+
+# -- through the command line: one line, exit 2, no run folder --------------------------------
+
+def test_invalid_set_yaml_and_an_empty_file_exit_2_naming_field_and_file(tmp_path):
+    out = tmp_path / "run"
+    res = flt("run", str(QUICKSTART), "--set", "train.rounds=[1,", "--out", str(out))
+    assert_one_line_error(res, 2, str(QUICKSTART), "--set train.rounds", "not valid YAML")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing here\n")
+    res = flt("run", str(empty), "--out", str(out))
+    assert_one_line_error(res, 2, str(empty), "empty")
+    assert not out.exists()
+
+
+def write_idx(path: Path, arr: np.ndarray) -> None:
+    arr = np.ascontiguousarray(arr, dtype=np.uint8)
+    raw = bytes([0, 0, 0x08, arr.ndim]) + np.array(arr.shape, ">u4").tobytes() + arr.tobytes()
+    path.write_bytes(gzip.compress(raw))
+
+
+def test_truncated_data_file_exits_2_naming_it_and_leaves_no_run_folder(tmp_path):
+    rng = np.random.default_rng(0)
+    root = tmp_path / "data"
+    root.mkdir()
+    for prefix, n in (("train", 200), ("t10k", 50)):
+        write_idx(root / f"{prefix}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
+        write_idx(root / f"{prefix}-labels-idx1-ubyte.gz", rng.integers(0, 10, n))
+    bad = root / "train-images-idx3-ubyte.gz"
+    bad.write_bytes(bad.read_bytes()[:1000])
+    scen = tmp_path / "s.yaml"
+    scen.write_text("data: {dataset: mnist, root: data}\ndevices: {processes: 1}\n")
+    out = tmp_path / "run"
+    res = flt("run", str(scen), "--out", str(out), cwd=tmp_path / "data")  # root: relative to the file
+    assert_one_line_error(res, 2, str(bad), "corrupt or truncated")
+    assert res.stdout.startswith(f"data: mnist from {root}\n"), res.stdout
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("override, words", [
+    ("partition.clients=10000000", ["partition.clients: 10000000 clients"]),
+    ("population.newcomers=[{round: 3, cluster: 1}]", ["newcomers[0].cluster: no client belongs to cluster 1"]),
+])
+def test_checks_against_the_data_leave_no_run_folder(tmp_path, override, words):
+    out = tmp_path / "run"
+    extra = ["--set", "partition.kind=dirichlet"] if "newcomers" in override else []
+    res = flt("run", str(QUICKSTART), "--set", override, *extra, "--out", str(out))
+    assert_one_line_error(res, 2, *words)
+    assert not out.exists()
+
+
+def test_a_scenario_runs_from_another_folder_and_prints_its_data_root(tmp_path):
+    if not (SHARED / "mnist").is_dir():
+        pytest.skip(f"real data not found at {SHARED}")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    # the shipped S1 file names ../../shared/data relative to itself; stop right after the data
+    res = flt("run", str(REPO / "scenarios" / "s1_mnist.yaml"), "--set", "partition.clients=100000",
+              "--out", str(tmp_path / "run"), cwd=elsewhere)
+    assert res.stdout.startswith(f"data: mnist from {SHARED.resolve()}\n"), res.stdout + res.stderr
+    assert_one_line_error(res, 2, "partition.clients: 100000 clients")
+
+
+def test_a_bug_keeps_its_traceback_and_exits_1(tmp_path):
+    code = ("import sys; from emulator import cli, run\n"
+            "def broken(cfg, out=None, **kw): raise ValueError('a bug, not a mistake')\n"
+            "run.run_scenario = broken\n"
+            f"sys.exit(cli.main(['run', {str(QUICKSTART)!r}]))\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stderr
+    assert "Traceback" in res.stderr and "ValueError: a bug, not a mistake" in res.stderr
+    assert "error: " not in res.stderr.splitlines()[0]
+
+
+def test_devices_that_never_connect_exit_3_with_one_line(tmp_path):
+    res = flt("run", str(QUICKSTART), "--set", "devices.processes=0", "--set", "devices.external=1",
+              "--set", "devices.start_timeout_s=0.5", "--out", str(tmp_path / "run"))
+    assert_one_line_error(res, 3, "0 of 1 devices connected")
+
+
+def test_every_user_facing_error_shares_the_base():
+    from emulator.profiles import ProfileError
+    from scenarios.datasets import DataError
+    from scenarios.errors import DeviceError
+
+    for cls in (ConfigError, DataError, part.PartitionError, ProfileError, DeviceError):
+        assert issubclass(cls, FltError)
+    assert DeviceError.exit_code == 3 and ConfigError.exit_code == 2
