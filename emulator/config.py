@@ -9,8 +9,10 @@ import copy
 import os
 from pathlib import Path
 
+import numpy as np
 import yaml
 
+from emulator.profiles import ProfileError, profiles_from_distribution
 from scenarios.datasets import DATASETS, dataset_key
 from scenarios.errors import short
 from scenarios.schema import ConfigError, Field, MethodSpec, section, validate
@@ -133,7 +135,7 @@ def load(path: str | Path, overrides: list[str] = (), methods: list[str] | None 
 def apply_override(raw: dict, item: str) -> None:
     """`--set train.lr=0.05`: the value is parsed as YAML (numbers, lists, null)."""
     if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected key=value")
+        raise ConfigError(f"--set {short(item)}: expected key=value")
     key, value = item.split("=", 1)
     node, parts = raw, key.strip().split(".")
     for p in parts[:-1]:
@@ -194,10 +196,20 @@ def resolve(raw: dict) -> dict:
     if cfg["data"]["dataset"] != "digits" and not cfg["data"]["root"] and not cfg["data"]["download"]:
         raise ConfigError(f"data.root: dataset {cfg['data']['dataset']!r} needs a data root "
                           "(or data.download: true on a machine with internet)")
+    _check_distribution(cfg["population"]["profiles"])
     for i, spec in enumerate(cfg["methods"]):
         if isinstance(spec["params"].get("encoder"), dict):
             _check_encoder(spec["params"]["encoder"], cfg, f"methods[{i}]({spec['label']}).encoder")
     return cfg
+
+
+def _check_distribution(profiles: dict | None) -> None:
+    """Device-profile distributions: drawing none checks every key and number."""
+    if profiles and profiles["distribution"] is not None:
+        try:
+            profiles_from_distribution(0, profiles["distribution"], np.random.default_rng(0))
+        except ProfileError as exc:
+            raise ConfigError(f"population.profiles.distribution: {exc}") from None
 
 
 def _check_encoder(source: dict, cfg: dict, where: str) -> None:
@@ -212,10 +224,10 @@ def _check_encoder(source: dict, cfg: dict, where: str) -> None:
         raise ConfigError(f"{where}.dataset: {short(name)} is neither 'public' nor a dataset "
                           f"({', '.join(DATASETS)})")
     if dataset_key(name) == dataset_key(data["dataset"]):
-        raise ConfigError(f"{where}.dataset: {name!r} is the clients' own dataset; use 'public' "
+        raise ConfigError(f"{where}.dataset: {short(name)} is the clients' own dataset; use 'public' "
                           "(the held-out slice) so no client training image is seen")
     if dataset_key(name)[0] != "digits" and not (source.get("root") or data["root"]):
-        raise ConfigError(f"{where}.root: dataset {name!r} needs a data root (here or in data.root)")
+        raise ConfigError(f"{where}.root: dataset {short(name)} needs a data root (here or in data.root)")
 
 
 def _check_events(pop: dict, rounds: int, partition: dict) -> None:

@@ -109,7 +109,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scenarios.errors import FltError
+from scenarios.errors import FltError, short
 
 __all__ = [
     "Profiles",
@@ -473,14 +473,14 @@ _DIST_DEFAULTS = {
 
 def _number(value, where, *, positive=True, allow_zero=False, upper=None):
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ProfileError(f"{where}: expected a number, got {value!r}")
+        raise ProfileError(f"{where}: expected a number, got {short(value)}")
     v = float(value)
     if not math.isfinite(v):
-        raise ProfileError(f"{where}: expected a finite number, got {value!r}")
+        raise ProfileError(f"{where}: expected a finite number, got {short(value)}")
     if positive and not (v > 0 or (allow_zero and v == 0)):
-        raise ProfileError(f"{where}: must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+        raise ProfileError(f"{where}: must be {'>= 0' if allow_zero else '> 0'}, got {short(value)}")
     if upper is not None and v > upper:
-        raise ProfileError(f"{where}: must be <= {upper}, got {value!r}")
+        raise ProfileError(f"{where}: must be <= {upper}, got {short(value)}")
     return v
 
 
@@ -493,9 +493,9 @@ def _section(spec, name):
         raise ProfileError(f"profiles.{name}: expected a mapping, got {type(sec).__name__}")
     dists = _DIST_DEFAULTS[name]
     dist = sec.get("dist", DEFAULT_SPEC[name]["dist"])
-    if dist not in dists:
+    if not isinstance(dist, str) or dist not in dists:
         raise ProfileError(
-            f"profiles.{name}.dist: unknown distribution {dist!r} (expected one of {sorted(dists)})"
+            f"profiles.{name}.dist: unknown distribution {short(dist)} (expected one of {sorted(dists)})"
         )
     allowed = set(dists[dist]) | {"dist"}
     for k in sec:
@@ -576,7 +576,7 @@ def profiles_from_distribution(n: int, spec: dict | None, rng: np.random.Generat
     wpp = sec["windows_per_period"]
     if isinstance(wpp, bool) or not isinstance(wpp, numbers.Integral) or wpp < 1:
         raise ProfileError(
-            f"profiles.availability.windows_per_period: expected an integer >= 1, got {wpp!r}"
+            f"profiles.availability.windows_per_period: expected an integer >= 1, got {short(wpp)}"
         )
     wpp = int(wpp)
     if frac >= 1.0:

@@ -91,6 +91,8 @@ BOMB_SITES = {
     "devices.crash": "devices: {{crash: {{0: {}}}}}\n",
     "methods": "methods: {}\n",
     "population.drift": "population: {{drift: [{{round: 2, clients: {}, to_cluster: 1}}]}}\n",
+    "population.profiles": "population: {{profiles: {{distribution: {{compute: {{dist: constant, "
+                           "ms_per_sample: {}}}}}}}}}\n",
     "--set": "",
 }
 
@@ -169,6 +171,20 @@ def test_schedules_are_checked_against_the_partition():
     with pytest.raises(ConfigError, match=r"drift\[0\].labels: \[3, 12\] but the dataset has classes 0..9"):
         schedule_from({"population": {"drift": [{"round": 3, "clients": [0], "kind": "swap_labels",
                                                   "labels": [3, 12]}]}}, truth, num_classes=10)
+
+
+@pytest.mark.parametrize("dist, words", [
+    ("{compute: {dist: constant, ms_per_sample: .nan}}", ["compute.ms_per_sample", "finite"]),
+    ("{network: [{share: 1, up_mbps: -1, down_mbps: 3}]}", ["network[0].up_mbps", "> 0"]),
+    ("{availability: {dist: windows, online_fraction: 1.5}}", ["online_fraction", "<= 1.0"]),
+    ("{latency: {dist: constant}}", ["profiles.latency: unknown key"]),
+])
+def test_profile_distributions_are_checked_by_validation(dist, words):
+    with pytest.raises(ConfigError) as exc:
+        config.load(QUICKSTART, [f"population.profiles={{distribution: {dist}}}"])
+    assert f"{QUICKSTART}: population.profiles.distribution: " in str(exc.value)
+    for w in words:
+        assert w in str(exc.value), (w, str(exc.value))
 
 
 def test_encoder_sources_are_checked_before_anything_starts(tmp_path):
