@@ -21,6 +21,12 @@ def main(argv=None) -> int:
     cmp_.add_argument("--methods", required=True,
                       help="comma-separated method names, e.g. fedavg,flt,ifca")
 
+    rel = sub.add_parser("relate", help="FCR alone: embed every client over ZeroMQ and cluster them, "
+                         "no training rounds")
+    _scenario_args(rel)
+    rel.add_argument("--method", help="the scenario's FCR entry to use, by label (default: its first "
+                     "FLT or PCA+kM+HC entry, else FLT's defaults)")
+
     dev = sub.add_parser("device", help="run a device process by hand against a server address")
     dev.add_argument("--connect", required=True, help="server address, e.g. tcp://HOST:5555")
     dev.add_argument("--name", help="device id (default host-pid); unique per server")
@@ -48,6 +54,10 @@ def _run(args) -> int:
     from emulator import config
     from emulator.run import run_scenario
 
+    if args.cmd == "relate":
+        from emulator.relate import relate_scenario
+
+        return guarded(lambda: relate_scenario(config.load(args.scenario, args.set), args.out, args.method))
     methods = None
     if args.cmd == "compare":
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -1,23 +1,78 @@
-"""Server side of FCR (form client relatedness), the paper's Algorithm 2, steps 3-4.
+"""Server side of FCR (form client relatedness): from every client's k centroids to a
+client graph A~ and C disjoint clusters.
 
-centroids of every client  --UMAP-->  u-dim points  -->  A_ij = min_{r,s} ||u_ir - u_js||
--->  A~ = [A <= gamma]  -->  Ward hierarchical clustering of A~ into C clusters.
+Two named pipelines, and every stage a validated choice (`Relatedness`):
 
-Clients may send different numbers of centroids (k: auto); they are padded with +inf
-distances, so the min ignores padding. Everything is vectorized (torch.cdist in row
-chunks), so 2,400 clients take seconds.
+paper   (the FLT paper's Algorithm 2, steps 3-4)
+    centroids --UMAP--> u-dim points, A_ij = min_{r,s} ||u_ir - u_js|| (the single
+    closest pair), A~ = [A <= gamma], Ward on the rows of A~, C at the largest gap
+    between successive merge heights.
+set     (the default: no threshold, no per-dataset knob)
+    A_ij = symmetric Chamfer distance between the two clients' centroid *sets* in the
+    encoder's own e-dim space:  (mean_r min_s d_rs + mean_s min_r d_rs) / 2;
+    average linkage on A; C by the silhouette of A (C = 1 when no cut reaches
+    `min_silhouette`; near-ties, within `silhouette_slack`, go to the finer cut).
+    Average linkage and the silhouette are invariant to scaling A, so nothing depends
+    on the data's units; a whole-set distance is not fooled by one shared class the way
+    the closest pair is.
+
+Clients may send different numbers of centroids (k: auto); padding is masked, never
+counted. Everything is vectorized (torch.cdist in row chunks): 2,400 clients take seconds.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from scipy.cluster.hierarchy import fcluster, leaves_list, linkage
+from scipy.spatial.distance import squareform
+from sklearn.metrics import silhouette_score
+
+SPACES = ("embedding", "umap")
+DISTANCES = ("chamfer", "hausdorff", "min")
+LINKAGES = ("average", "complete", "single", "ward_graph")
+CHOOSERS = ("silhouette", "gap")
+
+
+@dataclass(frozen=True)
+class Relatedness:
+    """One FCR pipeline. gamma None: no threshold (the graph comes from the clusters)."""
+    space: str = "embedding"
+    distance: str = "chamfer"
+    linkage: str = "average"
+    choose: str = "silhouette"
+    gamma: float | None = None
+    min_silhouette: float = 0.25
+    silhouette_slack: float = 0.02
+
+    def __post_init__(self):
+        for name, value, allowed in (("space", self.space, SPACES), ("distance", self.distance, DISTANCES),
+                                     ("linkage", self.linkage, LINKAGES), ("choose", self.choose, CHOOSERS)):
+            if value not in allowed:
+                raise ValueError(f"{name}: {value!r} is not one of {', '.join(allowed)}")
+
+
+PRESETS = {
+    "set": Relatedness(),
+    "paper": Relatedness(space="umap", distance="min", linkage="ward_graph", choose="gap", gamma=1.0),
+}
+
+
+@dataclass
+class Clustering:
+    labels: np.ndarray        # [M] 0..C-1, in order of first appearance
+    distance: np.ndarray      # [M, M] A
+    graph: np.ndarray         # [M, M] A~ (0/1, self-loops)
+    linkage: np.ndarray       # scipy linkage matrix
+    n_clusters: int
+    silhouette: float | None  # of the chosen cut on A (None for C = 1)
 
 
 def umap_project(centroids: list[np.ndarray], n_components=2, n_neighbors=15, min_dist=0.1,
                  metric="euclidean", seed=0) -> list[np.ndarray]:
     """Seeded UMAP over all clients' centroids together; returns each client's points."""
-    import umap  # imported here: numba compilation is paid only by methods that use it
+    import umap  # imported here: numba compilation is paid only by pipelines that use it
 
     points = np.concatenate(centroids).astype(np.float32)
     n_neighbors = max(2, min(n_neighbors, len(points) - 1))
@@ -38,21 +93,47 @@ def pad(points: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
     return out, mask
 
 
-def min_distance_adjacency(points: list[np.ndarray], chunk: int = 256,
-                           device: torch.device | None = None) -> np.ndarray:
-    """A_ij = min over (r, s) of the distance between client i's point r and client j's point s."""
+def set_distance(points: list[np.ndarray], kind: str = "chamfer", chunk: int = 256,
+                 device: torch.device | None = None) -> np.ndarray:
+    """A_ij between client i's and client j's point sets:
+    min: min_{r,s} d_rs (the paper); chamfer: (mean_r min_s d_rs + mean_s min_r d_rs) / 2;
+    hausdorff: max(max_r min_s d_rs, max_s min_r d_rs)."""
+    if kind not in DISTANCES:
+        raise ValueError(f"distance: {kind!r} is not one of {', '.join(DISTANCES)}")
     u, mask = pad(points)
     u, mask = u.to(device or "cpu"), mask.to(device or "cpu")
     m, k, dim = u.shape
     flat, valid = u.reshape(m * k, dim), mask.reshape(m * k)
+    counts = mask.sum(1).to(u.dtype)                                    # [M]
     out = torch.empty(m, m, dtype=torch.float64, device=u.device)
     for lo in range(0, m, chunk):
-        rows = u[lo:lo + chunk].reshape(-1, dim)
-        d = torch.cdist(rows, flat)
-        d[~mask[lo:lo + chunk].reshape(-1)] = torch.inf
-        d[:, ~valid] = torch.inf
-        out[lo:lo + chunk] = d.view(-1, k, m, k).amin(dim=(1, 3))
-    return out.cpu().numpy()
+        rows_valid = mask[lo:lo + chunk]                                # [c, k]
+        d = torch.cdist(u[lo:lo + chunk].reshape(-1, dim), flat)
+        d = d.view(len(rows_valid), k, m, k)
+        d = d.masked_fill(~valid.view(1, 1, m, k), torch.inf).masked_fill(~rows_valid.view(-1, k, 1, 1), torch.inf)
+        if kind == "min":
+            out[lo:lo + chunk] = d.amin(dim=(1, 3))
+            continue
+        near_ij = d.amin(dim=3)                                         # [c, k, M]: each r to j's set
+        near_ji = d.amin(dim=1)                                         # [c, M, k]: each s to i's set
+        if kind == "chamfer":
+            a = near_ij.masked_fill(~rows_valid[:, :, None], 0).sum(1) / counts[lo:lo + chunk, None]
+            b = near_ji.masked_fill(~valid.view(1, m, k), 0).sum(2) / counts[None, :]
+            out[lo:lo + chunk] = (a + b) / 2
+        else:
+            a = near_ij.masked_fill(~rows_valid[:, :, None], -torch.inf).amax(1)
+            b = near_ji.masked_fill(~valid.view(1, m, k), -torch.inf).amax(2)
+            out[lo:lo + chunk] = torch.maximum(a, b)
+    out = out.cpu().numpy()
+    out = (out + out.T) / 2           # exact symmetry (float rounding of the two halves)
+    np.fill_diagonal(out, 0.0)
+    return out
+
+
+def min_distance_adjacency(points: list[np.ndarray], chunk: int = 256,
+                           device: torch.device | None = None) -> np.ndarray:
+    """The paper's A_ij = min over (r, s) of ||u_ir - u_js||."""
+    return set_distance(points, "min", chunk, device)
 
 
 def hard_threshold(adj: np.ndarray, gamma: float) -> np.ndarray:
@@ -68,20 +149,64 @@ def soft_weights(adj: np.ndarray, gamma: float) -> np.ndarray:
     return np.exp(-((adj / gamma) ** 2)).astype(np.float32)
 
 
-def ward_clusters(graph: np.ndarray, n_clusters, max_clusters: int = 10) -> tuple[np.ndarray, np.ndarray, int]:
-    """Ward (Müllner's algorithm in scipy) on the rows of A~; returns labels 0..C-1,
-    the linkage matrix and C. n_clusters='auto' cuts where the merge heights jump most."""
-    m = len(graph)
+def cluster_graph(labels: np.ndarray) -> np.ndarray:
+    """A~_ij = 1 when i and j are in the same cluster (the graph when there is no gamma)."""
+    return (labels[:, None] == labels[None, :]).astype(np.float32)
+
+
+def relate(points: list[np.ndarray], how: Relatedness, n_clusters="auto", max_clusters: int = 20,
+           device: torch.device | None = None) -> Clustering:
+    """Steps 3-4 of FCR on already projected points (UMAP is the caller's: it is seeded
+    and slow, and the embedding-space pipeline skips it)."""
+    m = len(points)
+    adj = set_distance(points, how.distance, device=device)
+    graph = hard_threshold(adj, how.gamma) if how.gamma is not None else None
     if m < 2:
-        return np.zeros(m, dtype=np.int64), np.zeros((0, 4)), 1
-    z = linkage(graph.astype(np.float64), method="ward")
-    c = auto_clusters(z, max_clusters) if n_clusters == "auto" else int(n_clusters)
-    c = max(1, min(c, m))
-    labels = fcluster(z, c, criterion="maxclust") - 1
-    return _canonical(labels), z, int(labels.max() + 1)
+        return Clustering(np.zeros(m, np.int64), adj, np.ones((m, m), np.float32), np.zeros((0, 4)), 1, None)
+    if how.linkage == "ward_graph":
+        if graph is None:
+            raise ValueError("linkage 'ward_graph' clusters the thresholded graph A~: it needs gamma")
+        z = linkage(graph.astype(np.float64), method="ward")
+    else:
+        z = linkage(squareform(adj, checks=False), method=how.linkage)
+    cap = max(1, min(max_clusters, m - 1))
+    if n_clusters == "auto":
+        c = gap_clusters(z, cap) if how.choose == "gap" else \
+            silhouette_clusters(z, adj, cap, how.min_silhouette, how.silhouette_slack)
+    else:
+        c = max(1, min(int(n_clusters), m))
+    labels = _canonical(fcluster(z, c, criterion="maxclust") - 1)
+    c = int(labels.max() + 1)
+    if graph is None:
+        graph = cluster_graph(labels)
+    return Clustering(labels, adj, graph, z, c, _silhouette(adj, labels))
 
 
-def auto_clusters(z: np.ndarray, max_clusters: int) -> int:
+def _silhouette(adj: np.ndarray, labels: np.ndarray) -> float | None:
+    c = len(np.unique(labels))
+    if c < 2 or c >= len(labels):
+        return None
+    return float(silhouette_score(adj, labels, metric="precomputed"))
+
+
+def silhouette_clusters(z: np.ndarray, adj: np.ndarray, max_clusters: int, floor: float,
+                        slack: float = 0.0) -> int:
+    """The largest C in 2..max_clusters whose silhouette of A is within `slack` of the
+    best; 1 when no cut reaches `floor` (no real structure: every client is related to
+    every other). Near-ties go to the finer cut because merging two different clusters
+    costs both their accuracy, while splitting one only costs it some data."""
+    scores = {}
+    for c in range(2, max_clusters + 1):
+        score = _silhouette(adj, fcluster(z, c, criterion="maxclust") - 1)
+        if score is not None:
+            scores[c] = score
+    if not scores or max(scores.values()) < floor:
+        return 1
+    best = max(scores.values())
+    return max(c for c, score in scores.items() if score >= best - slack)
+
+
+def gap_clusters(z: np.ndarray, max_clusters: int) -> int:
     """C with the largest gap between the merge that would join C clusters into C-1 and
     the one before it (the classic 'longest vertical line' dendrogram cut)."""
     heights = z[:, 2]

@@ -18,7 +18,10 @@ def agreement(found: np.ndarray, truth: np.ndarray) -> dict:
 
 
 def plot_fcr(out_dir: Path, adj: np.ndarray, graph: np.ndarray, z: np.ndarray, order: np.ndarray,
-             points: list[np.ndarray], labels: np.ndarray, tag: str = "") -> list[Path]:
+             points: list[np.ndarray], labels: np.ndarray, truth: np.ndarray | None = None,
+             tag: str = "") -> list[Path]:
+    """adjacency{tag}.png (A, A~, A~ in dendrogram order), dendrogram{tag}.png and
+    centroids{tag}.png (the clients' centroids in 2-D, coloured by found and true cluster)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -27,8 +30,8 @@ def plot_fcr(out_dir: Path, adj: np.ndarray, graph: np.ndarray, z: np.ndarray, o
 
     paths = []
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
-    for ax, mat, title in ((axes[0], adj, "A (min centroid distance)"),
-                           (axes[1], graph, "A~ (thresholded)"),
+    for ax, mat, title in ((axes[0], adj, "A (distance between centroid sets)"),
+                           (axes[1], graph, "A~ (client graph)"),
                            (axes[2], graph[np.ix_(order, order)], "A~ reordered by the dendrogram")):
         im = ax.imshow(mat, cmap="viridis_r" if mat is adj else "Greys", interpolation="nearest")
         ax.set(title=title, xlabel="client", ylabel="client")
@@ -42,21 +45,23 @@ def plot_fcr(out_dir: Path, adj: np.ndarray, graph: np.ndarray, z: np.ndarray, o
     if len(z):
         fig, ax = plt.subplots(figsize=(max(6, len(labels) * 0.08), 4))
         dendrogram(z, ax=ax, no_labels=len(labels) > 60, color_threshold=None)
-        ax.set(title="Ward dendrogram of A~", ylabel="merge height")
+        ax.set(title="dendrogram of the clients", ylabel="merge height")
         fig.tight_layout()
         paths.append(out_dir / f"dendrogram{tag}.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(5.5, 5))
     pts = np.concatenate(points)
-    owner = np.repeat(labels, [len(p) for p in points])
-    if pts.shape[1] >= 2:
-        sc = ax.scatter(pts[:, 0], pts[:, 1], c=owner, cmap="tab10", s=12)
-        ax.legend(*sc.legend_elements(), title="cluster", fontsize=7, loc="best")
-    ax.set(title="client centroids after UMAP, coloured by found cluster")
+    panels = [("found cluster", labels)] + ([("true cluster", truth)] if truth is not None else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 5), squeeze=False)
+    for ax, (title, owner_labels) in zip(axes[0], panels, strict=True):
+        owner = np.repeat(owner_labels, [len(p) for p in points])
+        if pts.shape[1] >= 2:
+            sc = ax.scatter(pts[:, 0], pts[:, 1], c=owner, cmap="tab10" if owner.max() < 10 else "tab20", s=12)
+            ax.legend(*sc.legend_elements(), title=title, fontsize=7, loc="best")
+        ax.set(title=f"client centroids in 2-D, coloured by {title}")
     fig.tight_layout()
-    paths.append(out_dir / f"umap{tag}.png")
+    paths.append(out_dir / f"centroids{tag}.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
     return paths

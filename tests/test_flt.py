@@ -57,7 +57,7 @@ def test_flt_beats_fedavg_on_clustered_clients(quickstart_run):
 
 def test_flt_run_folder_holds_fcr_figures_and_arrays(quickstart_run):
     out, _ = quickstart_run
-    for name in ("adjacency.png", "dendrogram.png", "umap.png", "fcr.npz", "metrics.jsonl"):
+    for name in ("adjacency.png", "dendrogram.png", "centroids.png", "fcr.npz", "metrics.jsonl"):
         assert (out / "flt" / name).is_file(), name
     with np.load(out / "flt" / "fcr.npz") as z:
         assert z["adjacency"].shape == (CLIENTS, CLIENTS)
@@ -177,72 +177,88 @@ def test_case1_with_soft_weights_matches_a_hand_computation(tmp_path):
     torch.testing.assert_close(s.models[isolated].double(), before[isolated], atol=0, rtol=0)
 
 
-# -- vectorized adjacency against a slow reference ----------------------------------------
+# -- unassigned clients and dynamic FLT, server side ------------------------------------------
 
-def slow_adjacency(points):
-    m = len(points)
-    out = np.zeros((m, m))
-    for i in range(m):
-        for j in range(m):
-            out[i, j] = cdist(points[i], points[j]).min()
-    return out
+class Embedder:
+    """Stands in for the federation's embed call (the real one is exercised end to end
+    above): every client answers with centroids near its planted cluster's centre,
+    except those told to stay silent."""
 
+    def __init__(self, truth, silent=()):
+        self.truth, self.silent, self.calls = truth, set(silent), []
+        self.present = np.arange(len(truth))
+        self.transport = type("T", (), {"ledger": type("L", (), {"totals": staticmethod(_no_bytes)})()})()
 
-@pytest.mark.parametrize("chunk", [256, 5, 1])
-def test_min_distance_adjacency_equals_a_double_loop(chunk):
-    rng = np.random.default_rng(7)
-    points = [rng.normal(size=(int(k), 2)) * 3 for k in rng.integers(2, 6, size=12)]
-    assert len({len(p) for p in points}) > 1  # varying k: padding is exercised
-    got = fcr.min_distance_adjacency(points, chunk=chunk)
-    want = slow_adjacency(points)
-    assert got.shape == (12, 12)
-    assert np.isfinite(got).all()  # padding never leaks out as inf
-    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+    def embed(self, rnd, clients, tensors, meta):
+        clients = [int(c) for c in clients]
+        self.calls.append((rnd, clients))
+        rng = np.random.default_rng(rnd)
+        return {c: (np.eye(8)[self.truth[c]] * 5 + 0.1 * rng.normal(size=(3, 8))).astype(np.float32)
+                for c in clients if c not in self.silent}
 
 
-def test_min_distance_adjacency_with_a_single_centroid_per_client():
-    rng = np.random.default_rng(8)
-    points = [rng.normal(size=(1, 3)) for _ in range(7)]
-    np.testing.assert_allclose(fcr.min_distance_adjacency(points, chunk=3), slow_adjacency(points),
-                               rtol=1e-10, atol=1e-10)
+def _no_bytes():
+    return {d: {k: {"payload": 0, "overhead": 0, "messages": 0} for k in ("encoder", "embedding")}
+            for d in ("up", "down")}
 
 
-# -- Ward clustering of A~ --------------------------------------------------------------------
-
-def planted_blocks(sizes, seed=0):
-    truth = np.repeat(np.arange(len(sizes)), sizes)
-    perm = np.random.default_rng(seed).permutation(len(truth))
-    truth = truth[perm]  # clients of a block are not contiguous
-    graph = (truth[:, None] == truth[None, :]).astype(np.float32)
-    return graph, truth
-
-
-def test_ward_auto_finds_the_planted_blocks():
-    graph, truth = planted_blocks([4, 5, 3])
-    labels, z, c = fcr.ward_clusters(graph, "auto", max_clusters=10)
-    assert c == 3
-    assert len(np.unique(labels)) == 3
-    assert adjusted_rand_score(truth, labels) == 1.0
-    assert z.shape == (len(truth) - 1, 4)
-    assert labels[0] == 0  # canonical: labelled in order of first appearance
-    _, first = np.unique(labels, return_index=True)
-    assert list(np.argsort(first)) == sorted(np.unique(labels))
+def clustered_flt(tmp_path, silent=(), **params) -> tuple[FLT, Embedder]:
+    truth = np.repeat(np.arange(3), 4)
+    ctx = Context(init=torch.zeros(P), n_clients=len(truth), n_train=np.full(len(truth), 50),
+                  device=torch.device("cpu"), seed=0, run_dir=tmp_path, truth=truth,
+                  train={"rounds": 10, "participation": 0.5}, scenario={"name": "hand"})
+    s = FLT(ctx, **parse_methods([{"name": "flt", **params}])[0].params)
+    s.encoder_payload = lambda: ({"onnx": np.zeros(4, np.uint8)}, {"format": "onnx"}, {})
+    fed = Embedder(truth, silent)
+    s.setup(fed)
+    return s, fed
 
 
-def test_ward_respects_a_given_number_of_clusters():
-    graph, truth = planted_blocks([4, 5, 3])
-    labels, _, c = fcr.ward_clusters(graph, 3)
-    assert c == 3 and adjusted_rand_score(truth, labels) == 1.0
-    labels, _, c = fcr.ward_clusters(graph, 2)
-    assert c == 2 and len(np.unique(labels)) == 2
-    for block in range(3):  # coarser cut: each planted block stays whole
-        assert len(np.unique(labels[truth == block])) == 1
-    # identical rows cannot be split, so a finer cut needs rows that differ: soft block weights
-    noise = np.random.default_rng(1).uniform(0, 0.1, graph.shape)
-    soft = (graph * 0.8 + (noise + noise.T) / 2).astype(np.float32)
-    labels, _, c = fcr.ward_clusters(soft, "auto")
-    assert c == 3 and adjusted_rand_score(truth, labels) == 1.0
-    labels, _, c = fcr.ward_clusters(soft, 5)
-    assert c == 5 and len(np.unique(labels)) == 5
-    for found in range(5):  # finer cut: no found cluster mixes planted blocks
-        assert len(np.unique(truth[labels == found])) == 1
+def test_a_client_without_a_cluster_never_touches_a_clusters_model(tmp_path):
+    s, _ = clustered_flt(tmp_path, silent={5})
+    assert s.labels[5] == -1 and s.fcr_reports[0]["unassigned"] == [5]
+    assert s.fcr_reports[0]["ari"] == 1.0
+    s.models = torch.stack([torch.full((P,), float(j)) for j in range(len(s.models))])
+    before = s.models.clone()
+    tasks = s.train_tasks(1, np.array([0, 5]))
+    torch.testing.assert_close(tasks[5].models[0], torch.full((P,), 1.0))  # the global model (mean 0,1,2)
+    torch.testing.assert_close(tasks[0].models[0], before[s.labels[0]])
+    s.aggregate(1, {5: Result(torch.full((P,), 99.0), 50, {})})
+    torch.testing.assert_close(s.models, before)  # its update landed nowhere
+    models, rows = s.eval_models(np.array([0, 5]))
+    assert rows[1] == len(models) - 1
+    torch.testing.assert_close(models[rows[1]], torch.full((P,), 1.0))
+
+
+def test_an_unassigned_client_with_centroids_joins_the_nearest_cluster(tmp_path):
+    s, fed = clustered_flt(tmp_path, silent={5})
+    fed.silent.clear()
+    s.embed(fed, [5], rnd=1)
+    s.train_tasks(2, np.array([5]))
+    assert s.labels[5] == s.labels[4]  # client 5 is in planted cluster 1, with client 4
+
+
+def test_every_outstanding_flag_re_embeds_and_none_is_stranded(tmp_path):
+    s, fed = clustered_flt(tmp_path, recluster_flags=2, flag_patience=3)
+    flag = {"flag": True}
+    s.observe(1, {c: Result(None, 50, flag) for c in (0, 1)})
+    assert s.maintain(1, fed) == []                     # 2 flags: not more than lambda
+    s.observe(2, {4: Result(None, 50, flag)})
+    (event,) = s.maintain(2, fed)                       # 3 > 2: every outstanding flag re-embeds
+    assert event["cause"] == "flags" and event["clients"] == [0, 1, 4]
+    assert fed.calls[-1] == (2, [0, 1, 4]) and not s.flag_round
+    s.observe(3, {7: Result(None, 50, flag)})           # one flag alone: below lambda ...
+    assert s.maintain(4, fed) == [] and s.maintain(5, fed) == []
+    (event,) = s.maintain(6, fed)                       # ... until it has waited flag_patience rounds
+    assert event["cause"] == "patience" and event["clients"] == [7]
+    causes = [r["cause"] for r in s.fcr_reports]
+    assert causes == ["initial", "flags", "patience"]
+    assert all("ari" in r and "round" in r for r in s.summary()["fcr_reports"])
+
+
+def test_a_periodic_re_run_re_embeds_everyone_even_when_flags_fire(tmp_path):
+    s, fed = clustered_flt(tmp_path, recluster_flags=0, recluster_every=4)
+    s.observe(4, {3: Result(None, 50, {"flag": True})})
+    (event,) = s.maintain(4, fed)
+    assert event["cause"] == "period"
+    assert fed.calls[-1] == (4, list(range(12)))

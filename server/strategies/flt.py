@@ -5,8 +5,12 @@ One-off FCR (form client relatedness):
      autoencoder: Enc2, which every client fine-tunes for J epochs on its own data);
   2. client m embeds its data, E_m = G(D_m) (e = 128), runs k-means and sends up
      M_m = {mu_1..mu_k};
-  3. the server runs UMAP on all k*M centroids, sets A_ij = min_{r,s} ||u_ir - u_js||,
-     thresholds A~ = [A <= gamma], and clusters A~ with Ward into C clusters.
+  3. the server relates the clients from their centroid sets and clusters them. The
+     paper's pipeline (`relatedness: paper`): UMAP of all k*M centroids, A_ij =
+     min_{r,s} ||u_ir - u_js||, A~ = [A <= gamma], Ward on A~ into C clusters. The
+     default (`relatedness: set`) needs no gamma: A_ij is the symmetric Chamfer distance
+     between the two centroid sets in the encoder's space, average linkage, and C by
+     silhouette (server/fcr.py says why).
 Training (Algorithm 3), T rounds:
   Case I  (graph, personalized): W^{t+1} = W_bar^{t+1} A~ diag(p_m / ||A~_m||_0)
   Case II (disjoint clusters):   FedAvg inside each cluster.
@@ -19,16 +23,20 @@ whose neighbours trained keeps its model. With A~ = all ones this is exactly Fed
 with A~ = I it is Local training.
 
 Dynamic FLT: clients raise a flag delta when their data changed; when more than lambda
-flags are up (`recluster_flags`) or every tau rounds (`recluster_every`), the flagged
-clients re-embed and steps 3-4 re-run. A newcomer joins the cluster whose mean embedding
-is nearest, or triggers the re-run (`newcomers`).
+flags are outstanding (`recluster_flags`), when one has waited `flag_patience` rounds, or
+every tau rounds (`recluster_every`), every flagged client (everyone, for tau) re-embeds
+and step 3 re-runs. A newcomer joins the cluster whose mean embedding is nearest, or
+triggers the re-run (`newcomers`). A client without a cluster (its embedding failed)
+trains and is evaluated with the global model and never touches a cluster's model.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, replace
 
 import numpy as np
 import torch
+from sklearn.decomposition import PCA
 
 from models.autoencoder import export_encoder_onnx
 from models.flat import flatten
@@ -72,65 +80,114 @@ def positive_or_auto(value) -> str | None:
     return "a positive integer or 'auto'"
 
 
+RELATEDNESS = {
+    "relatedness": Field(str, "set", "FCR pipeline: 'set' (symmetric Chamfer distance between clients' "
+                         "centroid sets in the encoder's space, average linkage, C by silhouette: no "
+                         "threshold, no per-dataset knob) or 'paper' (UMAP, closest-pair distance, "
+                         "A~ = [A <= gamma], Ward on A~, C at the largest dendrogram gap)",
+                         choices=tuple(fcr.PRESETS)),
+    "space": Field(str, None, "override the pipeline's space: 'embedding' (the e-dim centroids) or "
+                   "'umap'", nullable=True, choices=fcr.SPACES),
+    "distance": Field(str, None, "override A_ij between two clients' centroid sets: chamfer, hausdorff "
+                      "or min (the single closest pair)", nullable=True, choices=fcr.DISTANCES),
+    "linkage": Field(str, None, "override the clustering: average, complete or single linkage on A, or "
+                     "ward_graph (Ward on the rows of A~; needs gamma)", nullable=True, choices=fcr.LINKAGES),
+    "choose_clusters": Field(str, None, "override how clusters: auto picks C: silhouette of A or the "
+                             "largest dendrogram gap", nullable=True, choices=fcr.CHOOSERS),
+    "gamma": Field(float, None, "threshold A~ = [A <= gamma], in the units of A (null: the pipeline's: "
+                   "none for 'set', whose graph is 'same cluster'; 1.0 for 'paper')",
+                   nullable=True, min=0, open_min=True),
+    "min_silhouette": Field(float, 0.25, "with choose_clusters silhouette: below this best score the "
+                            "clients form one cluster (no structure)", min=-1.0, max=1.0),
+    "silhouette_slack": Field(float, 0.02, "with choose_clusters silhouette: the finest cut whose score "
+                              "is within this of the best wins (merging two clusters costs more than "
+                              "splitting one)", min=0.0, max=1.0),
+}
+
+
 class FLT(Strategy):
     name = "flt"
     PARAMS = {
         "encoder": section(ENCODER, "the ConvAE encoder"),
         "k": Field((int, str), 5, "k-means centroids per client, or 'auto' (silhouette, per client)",
                    rule=positive_or_auto),
-        "umap": section(UMAP, "UMAP projection of the centroids"),
-        "gamma": Field(float, 1.0, "adjacency threshold", min=0, open_min=True),
-        "adjacency": Field(str, "hard", "hard threshold or soft distance weights", choices=("hard", "soft")),
+        "umap": section(UMAP, "UMAP projection of the centroids (when the space is 'umap')"),
+        **RELATEDNESS,
+        "adjacency": Field(str, "hard", "Case I neighbours: the 0/1 graph A~, or soft weights "
+                           "exp(-(A/gamma)^2) (gamma null: the median of A)", choices=("hard", "soft")),
         "aggregation": Field(str, "case2", "case1: personalized graph; case2: FedAvg per cluster",
                              choices=("case1", "case2")),
-        "clusters": Field((int, str), "auto", "C for Ward clustering, or 'auto' (largest dendrogram gap)",
-                          rule=positive_or_auto),
-        "max_clusters": Field(int, 10, "upper bound when clusters is 'auto'", min=1),
+        "clusters": Field((int, str), "auto", "C, or 'auto' (see choose_clusters)", rule=positive_or_auto),
+        "max_clusters": Field(int, 20, "upper bound when clusters is 'auto'", min=1),
         "newcomers": Field(str, "nearest", "place a newcomer in the cluster with the nearest mean "
                            "embedding, or re-run FCR over everyone", choices=("nearest", "recluster")),
-        "recluster_flags": Field(int, None, "lambda: re-run FCR when more than this many clients raised "
-                                 "their data-change flag (null: never)", nullable=True, min=0),
-        "recluster_every": Field(int, None, "tau: re-run FCR every tau rounds (null: never)",
-                                 nullable=True, min=1),
+        "recluster_flags": Field(int, None, "lambda: re-run FCR when more than this many clients have an "
+                                 "outstanding data-change flag (null: never)", nullable=True, min=0),
+        "flag_patience": Field(int, 10, "with lambda set: a flag outstanding this many rounds re-runs FCR "
+                               "even below lambda, so no drifted client is stranded", min=1),
+        "recluster_every": Field(int, None, "tau: re-run FCR every tau rounds, everyone re-embedding "
+                                 "(null: never)", nullable=True, min=1),
         "monitor_cosine": Field(float, None, "server-side monitor (case2): flag a client whose update's "
                                 "cosine similarity to its cluster's mean update is below this "
                                 "(null: off)", nullable=True, min=-1.0, max=1.0),
     }
 
+    @classmethod
+    def check_params(cls, params: dict) -> str | None:
+        """Cross-field rules the schema cannot say; returns the problem, or None."""
+        how = cls.pipeline(params)
+        if how.linkage == "ward_graph" and how.gamma is None:
+            return "linkage 'ward_graph' clusters the thresholded graph A~: set gamma"
+        return None
+
+    @classmethod
+    def pipeline(cls, params: dict) -> fcr.Relatedness:
+        """The preset with the scenario's overrides applied."""
+        base = fcr.PRESETS[params["relatedness"]]
+        over = {"space": params["space"], "distance": params["distance"], "linkage": params["linkage"],
+                "choose": params["choose_clusters"], "gamma": params["gamma"]}
+        return replace(base, min_silhouette=params["min_silhouette"], silhouette_slack=params["silhouette_slack"],
+                       **{k: v for k, v in over.items() if v is not None})
+
     def __init__(self, ctx, **params):
         super().__init__(ctx, **params)
         m = ctx.n_clients
-        self.fcr_report: dict = {}
+        self.how = self.pipeline(params)
+        self.fcr_reports: list[dict] = []   # the initial FCR, then every re-clustering
         self.labels = np.zeros(m, dtype=np.int64)    # before FCR: everyone in one cluster
         self.graph = np.ones((m, m), dtype=np.float32)
         case2 = params["aggregation"] == "case2"
         self.models = self.on(ctx.init.clone())[None].expand(1 if case2 else m, -1).clone()
         self.centroids: dict[int, np.ndarray] = {}
-        self.flagged: set[int] = set()      # clients whose data changed since the last FCR
-        self.monitored: set[int] = set()    # of those, flagged by the server-side monitor
-        self.payload_bytes, self.centroids_sent, self.encoders_sent, self.reclusterings = 0, 0, 0, []
+        self.flag_round: dict[int, int] = {}  # outstanding data-change flags: client -> round first seen
+        self.monitored: set[int] = set()      # of those, flagged by the server-side monitor
+        self.payload_bytes, self.centroids_sent, self.encoders_sent = 0, 0, 0
+        self.encoder_info: dict = {}
 
     # -- FCR ----------------------------------------------------------------------------
     def setup(self, fed) -> None:
         tic = time.perf_counter()
-        self.payload, self.payload_meta, info = self.encoder_payload()
+        self.payload, self.payload_meta, self.encoder_info = self.encoder_payload()
         self.payload_bytes = sum(t.nbytes for t in self.payload.values())
-        self.embed(fed, fed.present, rnd=0, strict=True)
-        self.relate(fed.present)
-        self.fcr_report.update(info)
-        self.fcr_report.update({"seconds": time.perf_counter() - tic, "encoder_bytes": self.payload_bytes,
-                                "latent": int(next(iter(self.centroids.values())).shape[1])})
+        got = self.embed(fed, fed.present, rnd=0)
+        if not got:
+            raise RuntimeError("FCR: no client sent centroids (see the device logs)")
+        report = self.relate(fed.present)
+        report.update(round=0, cause="initial", seconds=time.perf_counter() - tic,
+                      unassigned=sorted(set(np.asarray(fed.present).tolist()) - set(got)))
+        self.fcr_reports.append(report)
 
-    def embed(self, fed, clients, rnd: int, strict: bool = False) -> None:
-        """Send the encoder to `clients`, keep the k x e centroids they send back."""
+    def embed(self, fed, clients, rnd: int) -> list[int]:
+        """Send the encoder to `clients`, keep the k x e centroids they send back; a client
+        that re-embedded has no outstanding flag any more. Returns who answered."""
         got = fed.embed(rnd, np.asarray(clients), self.payload, self.payload_meta)
         self.encoders_sent += len(clients)
-        missing = sorted(set(np.asarray(clients).tolist()) - set(got))
-        if missing and strict:
-            raise RuntimeError(f"FCR: clients {missing[:20]} sent no centroids")
         self.centroids.update(got)
         self.centroids_sent += sum(len(c) for c in got.values())
-        self.fcr_report["centroids_sent"] = self.centroids_sent
+        for c in got:
+            self.flag_round.pop(c, None)
+            self.monitored.discard(c)
+        return sorted(got)
 
     def encoder_payload(self) -> tuple[dict, dict, dict]:
         """What travels down for FCR: ONNX bytes (frozen) or the autoencoder (fine-tune)."""
@@ -148,39 +205,49 @@ class FLT(Strategy):
         return {"weights": flatten(ae).numpy()}, meta, info
 
     def project(self, points: list[np.ndarray]) -> list[np.ndarray]:
+        if self.how.space == "embedding":
+            return points
         u = self.params["umap"]
         return fcr.umap_project(points, u["n_components"], u["n_neighbors"], u["min_dist"],
                                 u["metric"], seed=self.ctx.seed)
 
-    def gamma(self, adj: np.ndarray) -> float:
-        return self.params["gamma"]
+    def threshold(self, points: list[np.ndarray]) -> fcr.Relatedness:
+        """The pipeline for these points (PCA+kM+HC fills a scale-free gamma here)."""
+        return self.how
 
     def relate(self, clients, tag: str = "") -> dict:
-        """Steps 3-4 of FCR over `clients`; models carry over from the old clustering."""
+        """Steps 3-4 of FCR over `clients` that have centroids; models carry over from the
+        old clustering. Returns the FCR report (also appended by the caller)."""
         tic = time.perf_counter()
         clients = np.array(sorted(c for c in np.asarray(clients).tolist() if c in self.centroids))
         points = self.project([self.centroids[c] for c in clients])
-        adj = fcr.min_distance_adjacency(points, device=self.ctx.device)
-        gamma = self.gamma(adj)
-        hard = fcr.hard_threshold(adj, gamma)
-        sub, z, c = fcr.ward_clusters(hard, self.params["clusters"], self.params["max_clusters"])
+        how = self.threshold(points)
+        found = fcr.relate(points, how, self.params["clusters"], self.params["max_clusters"], self.ctx.device)
         labels = np.full(self.ctx.n_clients, -1, dtype=np.int64)
-        labels[clients] = sub
+        labels[clients] = found.labels
         graph = np.eye(self.ctx.n_clients, dtype=np.float32)
-        graph[np.ix_(clients, clients)] = hard if self.params["adjacency"] == "hard" else fcr.soft_weights(adj, gamma)
-        self._carry_models(labels, graph, c)
+        graph[np.ix_(clients, clients)] = found.graph if self.params["adjacency"] == "hard" else \
+            fcr.soft_weights(found.distance, how.gamma or _median_offdiagonal(found.distance))
+        self._carry_models(labels, graph, found.n_clusters)
         old = self.labels
         self.labels, self.graph = labels, graph
-        order = fcr.leaf_order(z, len(hard))
-        report = {"server_seconds": time.perf_counter() - tic, "clusters": c, "gamma": gamma,
-                  "cluster_sizes": np.bincount(sub).tolist(), "mean_degree": float(hard.sum(1).mean()),
-                  **agreement(labels[clients], self.ctx.truth[clients])}
-        self.fcr_report.update(report)
-        np.savez(self.ctx.run_dir / f"fcr{tag}.npz", clients=clients, adjacency=adj, graph=hard,
-                 labels=sub, old_labels=old[clients], linkage=z, order=order,
-                 points=np.concatenate(points), owner=np.repeat(clients, [len(p) for p in points]),
+        order = fcr.leaf_order(found.linkage, len(clients))
+        truth = self.ctx.truth[clients]
+        report = {"server_seconds": time.perf_counter() - tic, "clusters": found.n_clusters,
+                  "gamma": how.gamma, "silhouette": found.silhouette, "pipeline": asdict(how),
+                  "cluster_sizes": np.bincount(found.labels).tolist(),
+                  "mean_degree": float(found.graph.sum(1).mean()), "clients": int(len(clients)),
+                  "latent": int(points[0].shape[1]) if self.how.space == "embedding" else
+                  int(next(iter(self.centroids.values())).shape[1]),
+                  "centroids_sent": self.centroids_sent, "encoder_bytes": self.payload_bytes,
+                  **self.encoder_info, **agreement(found.labels, truth)}
+        np.savez(self.ctx.run_dir / f"fcr{tag}.npz", clients=clients, adjacency=found.distance,
+                 graph=found.graph, labels=found.labels, truth=truth, old_labels=old[clients],
+                 linkage=found.linkage, order=order, points=np.concatenate(points),
+                 owner=np.repeat(clients, [len(p) for p in points]),
                  centroids=np.concatenate([self.centroids[c] for c in clients]))
-        plot_fcr(self.ctx.run_dir, adj, hard, z, order, points, sub, tag)
+        plot_fcr(self.ctx.run_dir, found.distance, found.graph, found.linkage, order,
+                 _scatter_points(points), found.labels, truth, tag)
         return report
 
     def _carry_models(self, labels: np.ndarray, graph: np.ndarray, n_clusters: int) -> None:
@@ -196,39 +263,59 @@ class FLT(Strategy):
                 if w.sum() > 0:
                     self.models[c] = weighted_average(self.models, w)
             return
-        known = self.labels >= 0
-        everyone = weighted_average(self.models[self.labels[known]], n[known]) if known.any() else self.models[0]
+        everyone = self._global_model()
         new = everyone[None].expand(n_clusters, -1).clone()
+        known = self.labels >= 0
         for j in range(n_clusters):
             members = np.flatnonzero((labels == j) & known)
             if len(members):
                 new[j] = weighted_average(self.models[self.labels[members]], n[members])
         self.models = new
 
+    def _global_model(self) -> torch.Tensor:
+        """Sample-weighted mean of the clustered clients' models: what a client with no
+        cluster (and no embedding to place it) trains and is evaluated with."""
+        known = np.flatnonzero(self.labels >= 0)
+        if not len(known):
+            return self.models.mean(0)
+        n = torch.as_tensor(self.ctx.n_train[known], dtype=self.models.dtype, device=self.models.device)
+        return weighted_average(self.models[self.labels[known] if self.params["aggregation"] == "case2"
+                                            else known], n)
+
     # -- a changing population (dynamic FLT) --------------------------------------------
     def on_arrival(self, rnd: int, clients: np.ndarray, fed) -> dict:
         """Newcomers embed their data; they join the cluster whose mean embedding is nearest
-        (`newcomers: nearest`), or FCR's server side re-runs over everyone (`recluster`)."""
+        (`newcomers: nearest`), or FCR's server side re-runs over everyone (`recluster`),
+        with every client whose flag is outstanding re-embedding too."""
         tic, before = time.perf_counter(), _fcr_bytes(fed)
-        self.embed(fed, clients, rnd)
         if self.params["newcomers"] == "recluster":
+            who = np.union1d(clients, self._outstanding(fed.present))
+            self.embed(fed, who, rnd)
             report = self.relate(fed.present, tag=f"-round{rnd}")
+            report.update(round=rnd, cause="arrival", clients_embedded=who.tolist())
+            self.fcr_reports.append(report)
         else:
+            self.embed(fed, clients, rnd)
             report = self._place_nearest(clients)
         return {"placement": self.params["newcomers"], "seconds": time.perf_counter() - tic,
                 "fcr_bytes": _fcr_bytes(fed) - before, **report}
 
-    def _place_nearest(self, clients: np.ndarray) -> dict:
-        placed = np.array([c for c in clients.tolist() if c in self.centroids], dtype=np.int64)
-        known = np.flatnonzero(self.labels >= 0)
+    def _place_nearest(self, clients) -> dict:
+        """Put each client (with centroids) in the cluster whose mean embedding is nearest."""
+        placed = np.array([c for c in np.asarray(clients).tolist() if c in self.centroids], dtype=np.int64)
+        known = np.array([c for c in np.flatnonzero(self.labels >= 0) if c in self.centroids and c not in placed],
+                         dtype=np.int64)
+        if not len(placed) or not len(known):
+            return {"assigned": []}
         means = np.stack([self.centroids[c].mean(0) for c in known])
-        cluster_means = np.stack([means[self.labels[known] == j].mean(0) for j in range(self.labels.max() + 1)])
+        ids = np.unique(self.labels[known])
+        cluster_means = np.stack([means[self.labels[known] == j].mean(0) for j in ids])
         mine = np.stack([self.centroids[c].mean(0) for c in placed])
-        nearest = np.linalg.norm(mine[:, None] - cluster_means[None], axis=-1).argmin(1)
+        nearest = ids[np.linalg.norm(mine[:, None] - cluster_means[None], axis=-1).argmin(1)]
         labels = self.labels.copy()
         labels[placed] = nearest
         graph = self.graph.copy()
-        same = labels[:, None] == labels[None, :]
+        same = (labels[:, None] == labels[None, :]) & (labels[:, None] >= 0)
         graph[placed] = same[placed]
         graph[:, placed] = same[:, placed]
         if self.params["aggregation"] == "case1":
@@ -237,66 +324,86 @@ class FLT(Strategy):
         present = np.flatnonzero(labels >= 0)
         return {"assigned": nearest.tolist(), **agreement(labels[present], self.ctx.truth[present])}
 
+    def _outstanding(self, present) -> np.ndarray:
+        return np.array(sorted(set(self.flag_round) & set(np.asarray(present).tolist())), dtype=np.int64)
+
     def maintain(self, rnd: int, fed) -> list[dict]:
-        """Re-run FCR when the flags delta raised since the last run add up to more than
-        lambda, or every tau rounds; only flagged clients re-embed (everyone, for tau)."""
+        """Re-run FCR when more than lambda flags are outstanding, when one has waited
+        `flag_patience` rounds, or every tau rounds. Every client with an outstanding flag
+        re-embeds; for tau, everyone does."""
         lam, tau = self.params["recluster_flags"], self.params["recluster_every"]
-        cause = None
-        if lam is not None and len(self.flagged) > lam:
-            cause = "monitor" if self.flagged <= self.monitored else "flags"
-            who = np.array(sorted(self.flagged))
-        elif tau and rnd % tau == 0:
-            cause, who = "period", fed.present
-        if cause is None:
+        flagged = self._outstanding(fed.present)
+        periodic = bool(tau) and rnd % tau == 0
+        waited = lam is not None and any(rnd - self.flag_round[c] >= self.params["flag_patience"] for c in flagged)
+        if not (periodic or waited or (lam is not None and len(flagged) > lam)):
             return []
+        if periodic:
+            cause = "period"
+        elif set(flagged.tolist()) <= self.monitored:
+            cause = "monitor"
+        else:
+            cause = "flags" if len(flagged) > lam else "patience"
+        who = np.asarray(fed.present) if periodic else flagged
         tic, before, old = time.perf_counter(), _fcr_bytes(fed), self.labels.copy()
         self.embed(fed, who, rnd)
         report = self.relate(fed.present, tag=f"-round{rnd}")
-        self.flagged.clear()
-        self.monitored.clear()
+        report.update(round=rnd, cause=cause, clients_embedded=who.tolist())
+        self.fcr_reports.append(report)
         event = {"kind": "recluster", "round": rnd, "cause": cause, "clients": who.tolist(),
                  "seconds": time.perf_counter() - tic, "fcr_bytes": _fcr_bytes(fed) - before,
-                 "old_labels": old.tolist(), "new_labels": self.labels.tolist(), **report}
-        self.reclusterings.append({k: v for k, v in event.items() if k not in ("old_labels", "new_labels")})
+                 "old_labels": old.tolist(), "new_labels": self.labels.tolist(),
+                 **{k: report[k] for k in ("clusters", "cluster_sizes", "ari", "nmi") if k in report}}
         return [event]
 
     # -- training -----------------------------------------------------------------------
     def row(self, client: int) -> int:
-        return int(self.labels[client]) if self.params["aggregation"] == "case2" else int(client)
+        """Client's row of self.models; -1: no cluster (it gets the global model)."""
+        if self.params["aggregation"] == "case1":
+            return int(client)
+        return int(self.labels[client])
 
     def train_tasks(self, rnd, selected):
+        stray = [c for c in np.asarray(selected).tolist() if self.labels[c] < 0 and c in self.centroids]
+        if stray:  # an embedding that came late: place it now rather than train it on nothing
+            self._place_nearest(stray)
         host = self.models.cpu()
-        return {int(c): Task(host[self.row(c)][None]) for c in selected}
+        fallback = self._global_model().cpu()
+        return {int(c): Task((host[self.row(c)] if self.row(c) >= 0 else fallback)[None]) for c in selected}
 
     def observe(self, rnd, results: dict[int, Result]) -> None:
-        self.flagged.update(c for c, r in results.items() if r.meta.get("flag"))
+        for c, r in results.items():
+            if r.meta.get("flag"):
+                self.flag_round.setdefault(c, rnd)
 
     def aggregate(self, rnd, results: dict[int, Result]) -> None:
+        # a client with no cluster trained the global model: it must not overwrite a cluster's
+        results = {c: r for c, r in results.items() if self.row(c) >= 0}
         if not results:
             return
         if self.params["aggregation"] == "case2":
-            self._aggregate_clusters(results)
+            self._aggregate_clusters(rnd, results)
         else:
             self._aggregate_graph(results)
 
-    def _aggregate_clusters(self, results):
+    def _aggregate_clusters(self, rnd, results):
         new = self.models.clone()
         for c in np.unique(self.labels[sorted(results)]):
             members = [m for m in sorted(results) if self.labels[m] == c]
             models, n = stack(results, members)
             new[c] = weighted_average(models, n)
-            self._monitor(members, models - self.models[c], new[c] - self.models[c])
+            self._monitor(rnd, members, models - self.models[c], new[c] - self.models[c])
         self.models = new
 
-    def _monitor(self, members: list[int], updates: torch.Tensor, mean_update: torch.Tensor) -> None:
+    def _monitor(self, rnd: int, members: list[int], updates: torch.Tensor, mean_update: torch.Tensor) -> None:
         """Server-side change monitor: a client whose update points away from its cluster's
         (cosine below `monitor_cosine`) is flagged as if it had raised delta itself."""
         threshold = self.params["monitor_cosine"]
         if threshold is None or len(members) < 2:
             return
         cos = torch.nn.functional.cosine_similarity(updates, mean_update[None], dim=1)
-        odd = [m for m, c in zip(members, cos.tolist()) if c < threshold]
-        self.flagged.update(odd)
+        odd = [m for m, c in zip(members, cos.tolist(), strict=True) if c < threshold]
+        for m in odd:
+            self.flag_round.setdefault(m, rnd)
         self.monitored.update(odd)
 
     def _aggregate_graph(self, results):
@@ -312,15 +419,37 @@ class FLT(Strategy):
         self.models = new
 
     def eval_models(self, clients):
+        """Cluster (or personal) models, plus the global model as the last row for clients
+        without a cluster."""
         rows = np.array([self.row(c) for c in clients], dtype=np.int64)
-        return self.models.cpu(), rows
+        models = torch.cat([self.models, self._global_model()[None]]).cpu()
+        rows[rows < 0] = len(models) - 1
+        return models, rows
 
     def summary(self) -> dict:
-        return {"fcr": self.fcr_report, "found_clusters": self.labels.tolist(),
-                "reclusterings": self.reclusterings}
+        recl = [{k: v for k, v in r.items() if k != "pipeline"} for r in self.fcr_reports[1:]]
+        return {"fcr": self.fcr_reports[0] if self.fcr_reports else {}, "fcr_reports": self.fcr_reports,
+                "found_clusters": self.labels.tolist(), "reclusterings": recl}
 
     def expected_bytes(self, selections, model_bytes):
         # M*W_enc counts one encoder per client; re-clustering sends it again to re-embedders
-        k_e = self.centroids_sent * self.fcr_report.get("latent", 0) * 4
+        latent = self.fcr_reports[0]["latent"] if self.fcr_reports else 0
         return {"formula": "M*W_enc + k*M*e + 2*rho*M*W_local*T",
-                "bytes": self.encoders_sent * self.payload_bytes + k_e + 2 * selections * model_bytes}
+                "bytes": self.encoders_sent * self.payload_bytes + self.centroids_sent * latent * 4
+                + 2 * selections * model_bytes}
+
+
+def _median_offdiagonal(adj: np.ndarray) -> float:
+    m = len(adj)
+    off = adj[~np.eye(m, dtype=bool)]
+    med = float(np.median(off)) if off.size else 1.0
+    return med if med > 0 else 1.0
+
+
+def _scatter_points(points: list[np.ndarray]) -> list[np.ndarray]:
+    """2-D points to draw: UMAP's when it made 2-D points, else a deterministic PCA."""
+    if points[0].shape[1] == 2:
+        return points
+    flat = np.concatenate(points)
+    two = flat[:, :2] if flat.shape[1] < 2 else PCA(n_components=2, svd_solver="full").fit_transform(flat)
+    return np.split(two, np.cumsum([len(p) for p in points])[:-1])

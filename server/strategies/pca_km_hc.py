@@ -7,24 +7,27 @@ One-off relatedness, as FLT's FCR but:
      flattened and scaled to [0, 1]:  z = (x - mean) V^T,  V = top-e principal axes
      (e = `components`, capped by the public set size and the pixel count);
   2. client m embeds its own data with it, runs k-means and sends its k centroids;
-  3. the server skips UMAP: A_ij = min_{r,s} ||mu_ir - mu_js|| directly in PCA space,
-     then FLT's threshold A~ = [A <= gamma], Ward clustering and Case I / II training.
+  3. the server skips UMAP: distances between the clients' centroid sets are taken in
+     PCA space, then FLT's clustering and Case I / II training.
 
-gamma. FLT's gamma = 1 is a distance in a 2-D UMAP embedding; PCA distances scale with
-the data's variance (on MNIST pixels in [0, 1], nearest centroid pairs sit at several
-units), so a fixed gamma would mean nothing. With `gamma: null` (the default) gamma is
-the `gamma_quantile` quantile of the off-diagonal entries of A: each client is linked to
-about that fraction of the others, its nearest ones. The default 0.2 = 1/C for the paper's
-C = 5 planted clusters of S1/S2, where a client's own cluster is 1/5 of the population;
-with `clusters: auto` Ward then recovers the cut. A number for gamma is used as is.
+Relatedness. By default FLT's 'set' pipeline (Chamfer distance between centroid sets,
+average linkage, C by silhouette), which has no threshold, so the comparison with FLT
+isolates the encoder. With `relatedness: paper` (closest pair, A~ = [A <= gamma], Ward on
+A~): PCA distances scale with the data's variance, so a fixed gamma would mean nothing;
+with `gamma: null` (the default) gamma is the `gamma_quantile` quantile of the off-diagonal
+entries of A: each client is linked to about that fraction of the others, its nearest
+ones (0.2 = 1/C for the paper's C = 5 balanced clusters). A number for gamma is used as is.
 """
 from __future__ import annotations
 
 import numpy as np
+from dataclasses import replace
+
 from sklearn.decomposition import PCA
 
 from scenarios.schema import Field, section, validate
 from server import encoder as enc
+from server import fcr
 from server.strategies.flt import ENCODER, FLT
 
 LINEAR = {
@@ -48,12 +51,13 @@ def pca_basis(images: np.ndarray, components: int, seed: int) -> tuple[np.ndarra
 class PCAKMHC(FLT):
     name = "pca_km_hc"
     PARAMS = {
-        **{k: v for k, v in FLT.PARAMS.items() if k != "umap"},
+        **{k: v for k, v in FLT.PARAMS.items() if k not in ("umap", "space")},
         "encoder": section(LINEAR, "where the PCA basis is fitted (the same public images as FLT's encoder)"),
         "components": Field(int, 128, "e, the number of principal components (capped by the public "
                             "set size and the pixel count)", min=1),
-        "gamma": Field(float, None, "adjacency threshold in PCA space; null: the gamma_quantile "
-                       "quantile of the off-diagonal distances A_ij", min=0, open_min=True, nullable=True),
+        "gamma": Field(float, None, "threshold A~ = [A <= gamma] in PCA space; null: none for the "
+                       "'set' pipeline, the gamma_quantile quantile of A for one that needs it",
+                       min=0, open_min=True, nullable=True),
         "gamma_quantile": Field(float, 0.2, "quantile of A used as gamma when gamma is null "
                                 "(about the fraction of clients each client links to; 1/C for C "
                                 "balanced clusters)", min=0, max=1),
@@ -70,15 +74,22 @@ class PCAKMHC(FLT):
                 "in_shape": list(images.shape[1:])}
         return {"components": components, "mean": mean}, meta, info | {"public_images": int(len(images))}
 
-    def project(self, points: list[np.ndarray]) -> list[np.ndarray]:
-        return points  # no UMAP: distances are taken in PCA space
+    @classmethod
+    def pipeline(cls, params: dict) -> fcr.Relatedness:
+        """No UMAP: distances in PCA space; the preset's gamma (in UMAP units) never applies."""
+        return replace(super().pipeline({**params, "space": "embedding"}), gamma=params["gamma"])
 
-    def gamma(self, adj: np.ndarray) -> float:
-        if self.params["gamma"] is None:
-            self.gamma_used = gamma_from_quantile(adj, self.params["gamma_quantile"])
-        else:
-            self.gamma_used = float(self.params["gamma"])
-        return self.gamma_used
+    @classmethod
+    def check_params(cls, params: dict) -> str | None:
+        return None  # ward_graph without gamma takes the quantile
+
+    def threshold(self, points: list[np.ndarray]) -> fcr.Relatedness:
+        if self.how.gamma is not None or self.how.linkage != "ward_graph":
+            self.gamma_used = self.how.gamma
+            return self.how
+        adj = fcr.set_distance(points, self.how.distance, device=self.ctx.device)
+        self.gamma_used = gamma_from_quantile(adj, self.params["gamma_quantile"])
+        return replace(self.how, gamma=self.gamma_used)
 
     def summary(self) -> dict:
         return super().summary() | {"gamma": self.gamma_used}

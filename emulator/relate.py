@@ -1,0 +1,111 @@
+"""`flt relate SCENARIO.yaml`: FCR alone, no training rounds.
+
+It does what a run does up to round 0: partitions, starts the server socket and the
+device processes, pretrains or loads the encoder, sends it to every client over
+ZeroMQ, collects the clients' centroids, then clusters them. It writes the FCR
+artifacts (relate.json, fcr.npz, adjacency.png, dendrogram.png, centroids.png) and
+prints the clusters found, their sizes, ARI/NMI against the planted clusters, bytes and
+seconds: what a user runs to see whether their clients are related.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from emulator import processes, report
+from emulator.run import (assign_clients, build_partition, hold_out_public, initial_weights,
+                          load_data, make_run_dir, _abs, aggregation_device)
+from scenarios.schema import ConfigError
+from server.federation import Federation
+from server.strategies import STRATEGIES
+from server.strategies.base import Context
+from server.strategies.flt import FLT
+from server.transport import Transport
+
+
+def pick_method(cfg: dict, label: str | None) -> dict:
+    """The scenario's method entry to relate with: the one labelled `label`, else the first
+    that runs FCR (FLT or PCA+kM+HC), else FLT with its defaults."""
+    fcr_methods = [m for m in cfg["methods"] if issubclass(STRATEGIES[m["name"]], FLT)]
+    if label is None:
+        if fcr_methods:
+            return fcr_methods[0]
+        return {"name": "flt", "label": "flt", "params": _defaults(FLT)}
+    for m in fcr_methods:
+        if label in (m["label"], m["name"]):
+            return m
+    known = ", ".join(m["label"] for m in fcr_methods) or "none"
+    raise ConfigError(f"--method: {label!r} is not an FCR method of this scenario (its FCR methods: {known})")
+
+
+def _defaults(cls) -> dict:
+    from scenarios.schema import validate
+
+    return validate({}, cls.PARAMS, cls.name)
+
+
+def relate_scenario(cfg: dict, out: str | None = None, method: str | None = None,
+                    progress=print) -> tuple[Path, dict]:
+    """Run FCR once over every client of the scenario; returns the run folder and the report."""
+    spec = pick_method(cfg, method)
+    run_dir = make_run_dir(cfg, out)
+    progress(f"run folder: {run_dir}")
+    train, test = load_data(cfg)
+    public = hold_out_public(cfg, len(train.y))
+    partition = build_partition(cfg, train, test, public)
+    partition.save(run_dir / "partition.npz")
+    init, model_spec = initial_weights(cfg, train)
+    m = partition.n_clients
+    n_proc = cfg["devices"]["processes"]
+    n_proc = min(os.cpu_count() or 1 if n_proc is None else n_proc, m)
+    transport = Transport(cfg["devices"]["bind"])
+    fleet = processes.DeviceFleet(transport.endpoint, run_dir / "logs", cfg["devices"]["threads"], {})
+    transport.alive = fleet.alive
+    tic = time.perf_counter()
+    try:
+        fleet.start(n_proc)
+        devices = fleet.wait(transport, cfg["devices"]["start_timeout_s"])
+        meta = {"dataset": {"name": cfg["data"]["dataset"], "root": _abs(cfg["data"]["root"]),
+                            "download": cfg["data"]["download"]}, "model": model_spec}
+        assign_clients(transport, partition, devices, meta, cfg["devices"]["start_timeout_s"], np.arange(m))
+        ctx = Context(init=init, n_clients=m, n_train=np.array([len(t) for t in partition.train]),
+                      device=aggregation_device(), seed=cfg["seed"], run_dir=run_dir / spec["label"],
+                      truth=partition.cluster.copy(), train=cfg["train"], scenario=cfg, public=public)
+        ctx.run_dir.mkdir(parents=True, exist_ok=True)
+        fed = Federation(transport, cfg["train"], cfg["seed"], cfg["devices"]["round_timeout_s"], ctx.device)
+        fed.present = np.arange(m)
+        progress(f"{len(devices)} device processes host {m} clients; relating them with {spec['label']}")
+        transport.ledger.reset()
+        strategy = STRATEGIES[spec["name"]](ctx, **spec["params"])
+        strategy.setup(fed)
+        result = strategy.fcr_reports[0] | {"method": spec["label"], "wall_s": time.perf_counter() - tic,
+                                            "bytes": _fcr_traffic(transport), "planted_clusters":
+                                            int(len(np.unique(partition.cluster[partition.cluster >= 0])))}
+    finally:
+        transport.close()
+        fleet.stop()
+    (run_dir / "relate.json").write_text(json.dumps(result, indent=2, default=report._jsonable))
+    progress(describe(result))
+    return run_dir, result
+
+
+def _fcr_traffic(transport: Transport) -> dict:
+    t = transport.ledger.totals()
+    return {d: {k: t[d][k]["payload"] + t[d][k]["overhead"] for k in ("encoder", "embedding")} for d in t}
+
+
+def describe(r: dict) -> str:
+    sizes = ", ".join(map(str, r["cluster_sizes"]))
+    quality = (f"ARI {r['ari']:.3f}, NMI {r['nmi']:.3f} against {r['planted_clusters']} planted clusters"
+               if "ari" in r else "no planted clusters to compare with")
+    sil = f", silhouette {r['silhouette']:.3f}" if r.get("silhouette") is not None else ""
+    mb = sum(sum(v.values()) for v in r["bytes"].values()) / 1e6
+    return (f"FCR ({r['method']}): {r['clusters']} clusters of sizes [{sizes}]{sil}\n"
+            f"  {quality}\n"
+            f"  {r['clients']} clients, {mb:.2f} MB on the wire (encoder + centroids), "
+            f"{r['wall_s']:.1f} s in all, {r['server_seconds']:.2f} s of it clustering on the server")
