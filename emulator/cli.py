@@ -19,7 +19,8 @@ def main(argv=None) -> int:
     cmp_ = sub.add_parser("compare", help="run several methods on the same partition, weights and draws")
     _scenario_args(cmp_)
     cmp_.add_argument("--methods", required=True,
-                      help="comma-separated method names, e.g. fedavg,flt,ifca")
+                      help="comma-separated method names or entry labels, e.g. fedavg,flt_enc1,ifca "
+                           "(a name picks every entry of that method)")
 
     rel = sub.add_parser("relate", help="FCR alone: embed every client over ZeroMQ and cluster them, "
                          "no training rounds")
