@@ -40,6 +40,7 @@ from sklearn.decomposition import PCA
 
 from models.autoencoder import export_encoder_onnx
 from models.flat import flatten
+from scenarios.errors import DeviceError
 from scenarios.schema import Field, section
 from server import encoder as enc
 from server import fcr
@@ -171,7 +172,7 @@ class FLT(Strategy):
         self.payload_bytes = sum(t.nbytes for t in self.payload.values())
         got = self.embed(fed, fed.present, rnd=0)
         if not got:
-            raise RuntimeError("FCR: no client sent centroids (see the device logs)")
+            raise DeviceError("FCR: no client sent centroids (see the device logs)")
         report = self.relate(fed.present)
         report.update(round=0, cause="initial", seconds=time.perf_counter() - tic,
                       unassigned=sorted(set(np.asarray(fed.present).tolist()) - set(got)))
