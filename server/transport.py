@@ -284,6 +284,16 @@ class Transport:
             return "unexpected kind", f"expected {reply}"
         return None
 
+    def drain(self, quiet_s: float = 0.2, max_s: float = 2.0) -> None:
+        """Read what is still queued when the run ends, so that every message that arrived
+        is counted (no task waits for any of it), for at most `max_s`: a flood cannot
+        hold the run open."""
+        end = time.monotonic() + max_s
+        while (got := self._next(min(end, time.monotonic() + quiet_s))) is not None:
+            ident, msg, size = got
+            self.reject("hello mid-run" if msg.kind == "hello" else "stale", ident, size,
+                        f"{msg.kind} for client {msg.client} after the last task")
+
     def _drop_dead(self, waiting: set[int]) -> None:
         for device in {self.client_device[c] for c in waiting}:
             if not self.alive(device):
@@ -308,6 +318,7 @@ class Transport:
         return np.array(sorted(c for c, d in self.client_device.items() if d in self.lost_devices), dtype=np.int64)
 
     def close(self) -> None:
+        self.drain()
         for d in self.active_devices():
             try:
                 self.send(d, Message("shutdown"))
