@@ -13,7 +13,7 @@ import numpy as np
 import yaml
 
 from emulator.profiles import ProfileError, profiles_from_distribution
-from scenarios.datasets import DATASETS, dataset_key
+from scenarios.datasets import DATASETS, DataError, dataset_key, load_dataset
 from scenarios.errors import short
 from scenarios.schema import ConfigError, Field, MethodSpec, section, validate
 from server.strategies import STRATEGIES
@@ -228,6 +228,23 @@ def _check_encoder(source: dict, cfg: dict, where: str) -> None:
                           "(the held-out slice) so no client training image is seen")
     if dataset_key(name)[0] != "digits" and not (source.get("root") or data["root"]):
         raise ConfigError(f"{where}.root: dataset {short(name)} needs a data root (here or in data.root)")
+
+
+def load_encoder_sources(cfg: dict) -> None:
+    """Load every encoder's pretraining set once before anything starts, so a missing or
+    damaged file stops the run here, naming the method, rather than at its FCR."""
+    seen = set()
+    for i, spec in enumerate(cfg["methods"]):
+        source = spec["params"].get("encoder")
+        if not isinstance(source, dict) or source["dataset"] == "public":
+            continue
+        key = (source["dataset"], source.get("root") or cfg["data"]["root"])
+        if key not in seen:
+            seen.add(key)
+            try:
+                load_dataset(*key, train=True)
+            except DataError as exc:
+                raise DataError(f"methods[{i}]({spec['label']}).encoder: {exc}") from None
 
 
 def _check_events(pop: dict, rounds: int, partition: dict) -> None:

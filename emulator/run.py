@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from emulator import processes, report
-from emulator.config import dump
+from emulator.config import dump, load_encoder_sources
 from emulator.population import Population, assign_profiles, schedule_from
 from models.flat import flatten
 from models.nets import build_model
@@ -190,6 +190,7 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
     # checked against the partition before any folder or process exists
     schedule = schedule_from(cfg, partition.cluster, train.num_classes)
     profiles = assign_profiles(cfg["population"]["profiles"], partition.n_clients, cfg["seed"])
+    load_encoder_sources(cfg)
     run_dir = make_run_dir(cfg, out)
     progress(f"run folder: {run_dir}")
     partition.save(run_dir / "partition.npz")

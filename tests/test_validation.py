@@ -198,6 +198,16 @@ def test_encoder_sources_are_checked_before_anything_starts(tmp_path):
         config.load(QUICKSTART, ["methods=[{name: flt, encoder: {dataset: femnist}}]"])
 
 
+def test_a_missing_encoder_dataset_stops_the_run_before_any_folder_or_process(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = tmp_path / "run"
+    res = flt("run", str(QUICKSTART), "--set", f"methods=[fedavg, {{name: flt, encoder: {{dataset: mnist, "
+              f"root: {empty}}}}}]", "--out", str(out))
+    assert_one_line_error(res, 2, "methods[1](flt).encoder: dataset 'mnist'", str(empty))
+    assert not out.exists()
+
+
 # -- relative paths and --methods labels ------------------------------------------------------
 
 def test_relative_paths_resolve_against_the_scenario_file_and_set_against_the_cwd(tmp_path, monkeypatch):
