@@ -50,7 +50,12 @@ def method_summary(spec: dict, history: list[dict], strategy, transport: Transpo
         nxt = [e["round"] for e in changes[1:]] + [None]
         out["changes"] = [{"kind": e["kind"], "clients": len(e["clients"]),
                            **{k: e[k] for k in ("placement", "ari", "fcr_bytes") if k in e},
-                           **rounds_to_recover(history, e["round"], until)} for e, until in zip(changes, nxt)]
+                           **rounds_to_recover(history, e["round"], until,
+                                               key="acc_incumbents" if e["kind"] == "arrival" else "acc_mean")}
+                          for e, until in zip(changes, nxt, strict=True)]
+    without_test = max((r.get("clients_without_test", 0) for r in evals), default=0)
+    if without_test:
+        out["clients_without_test"] = without_test  # left out of every accuracy mean
     out.update(strategy.summary())
     out, extra = split_timing(out)  # e.g. FLT's FCR seconds
     out["timing"] = {**_timing([r["timing"] for r in history]), **(extra or {})}

@@ -172,14 +172,25 @@ def split_timing(obj):
     return obj, None
 
 
-def accuracy_stats(metrics: dict[int, dict]) -> dict:
-    """Mean per-client test accuracy (%), its standard error, variance across clients."""
-    if not metrics:
-        return {"acc_mean": float("nan"), "acc_se": float("nan"), "acc_var": float("nan"), "n_eval": 0}
-    acc = 100.0 * np.array([m["correct"] / max(m["total"], 1.0) for m in metrics.values()])
+def accuracy_stats(metrics: dict[int, dict], newcomers=()) -> dict:
+    """Mean per-client test accuracy (%), its standard error, variance across clients.
+
+    A client with no test sample has no accuracy: it is left out of the mean and counted
+    (`clients_without_test`), never scored 0 %. With newcomers in the population, the
+    incumbents' and the newcomers' means are also given apart, so a change can be
+    judged over the same clients before and after it."""
+    tested = sorted(c for c, m in metrics.items() if m["total"] > 0)
+    out = {"clients_without_test": len(metrics) - len(tested)}
+    if not tested:
+        return {"acc_mean": float("nan"), "acc_se": float("nan"), "acc_var": float("nan"), "n_eval": 0, **out}
+    acc = 100.0 * np.array([metrics[c]["correct"] / metrics[c]["total"] for c in tested])
     se = acc.std(ddof=1) / np.sqrt(len(acc)) if len(acc) > 1 else 0.0
-    return {"acc_mean": float(acc.mean()), "acc_se": float(se), "acc_var": float(acc.var()),
+    out |= {"acc_mean": float(acc.mean()), "acc_se": float(se), "acc_var": float(acc.var()),
             "acc_min": float(acc.min()), "n_eval": int(len(acc))}
+    new = np.isin(tested, np.asarray(newcomers, dtype=np.int64))
+    if new.any() and not new.all():
+        out |= {"acc_incumbents": float(acc[~new].mean()), "acc_newcomers": float(acc[new].mean())}
+    return out
 
 
 def run_method(strategy: Strategy, fed: Federation, population, rounds: int, eval_every: int,
@@ -220,7 +231,8 @@ def run_method(strategy: Strategy, fed: Federation, population, rounds: int, eva
                 e_tic = time.perf_counter()
                 present = np.setdiff1d(population.candidates(rnd), transport.lost_clients())
                 models, rows = strategy.eval_models(present)
-                record.update(accuracy_stats(fed.evaluate(rnd, present, models, rows)))
+                newcomers = np.setdiff1d(present, population.candidates(0))
+                record.update(accuracy_stats(fed.evaluate(rnd, present, models, rows), newcomers))
                 timing["eval_s"] = time.perf_counter() - e_tic
             timing.update(wall_s=time.perf_counter() - tic, setup_s=setup_s)
             record["bytes"] = _bytes_so_far(transport)

@@ -1,0 +1,266 @@
+"""FCR quality suite: does client relatedness find the planted clusters, on data it was
+never tuned for, with no per-dataset setting?
+
+For every case (a partition of real data + an encoder + a seed) it runs FCR's client
+side exactly as `flt relate` does (device processes over ZeroMQ, the ONNX encoder or
+per-client fine-tuning, seeded k-means), keeps the clients' centroids, then re-clusters
+those same centroids offline with every server-side variant below and reports ARI, NMI,
+clusters found against planted, and seconds.
+
+Separability of the embedding itself (is a failure the encoder's or the clustering's?):
+a client-level linear probe. Logistic regression on the centroids, labelled with their
+client's planted cluster, cross-validated by client (GroupKFold, no client in both
+folds); a client's prediction sums its centroids' log-probabilities. A case whose probe
+reaches >= 0.9 "separates" its clusters: there the target is ARI >= 0.9.
+
+Defaults are chosen by the worst case over the suite, not the mean.
+
+Run (needs the real data in ../shared/data, or $FLT_DATA; the first run pretrains encoders, cached):
+    .venv/bin/python benchmarks/bench_fcr_quality.py              # the whole suite
+    .venv/bin/python benchmarks/bench_fcr_quality.py --only mnist  # cases whose name matches
+Writes benchmarks/results/fcr_quality.json and prints the tables. Centroids are cached
+under benchmarks/.cache/fcr_quality (delete it to re-embed).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+from sklearn.linear_model import LogisticRegression  # noqa: E402
+from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score  # noqa: E402
+from sklearn.model_selection import GroupKFold  # noqa: E402
+
+from machine import machine_info  # noqa: E402
+
+DATA = Path(os.environ.get("FLT_DATA", REPO.parent / "shared" / "data")).resolve()
+CACHE = REPO / "benchmarks" / ".cache" / "fcr_quality"
+
+# -- the suite ---------------------------------------------------------------------------
+S1 = {"kind": "clusters", "clusters": 5, "classes_per_cluster": 2, "shared_classes": 0}
+S2 = {"kind": "clusters", "clusters": 5, "classes_per_cluster": 3, "shared_classes": 1}
+ENC_FEMNIST = {"dataset": "femnist", "root": str(DATA / "femnist"), "epochs": 10}
+ENC_PUBLIC = {"dataset": "public", "epochs": 10}
+ENC2_FMNIST = {"dataset": "fashion_mnist", "root": str(DATA), "epochs": 10, "finetune_epochs": 5}
+ENC2_MNIST = {"dataset": "mnist", "root": str(DATA), "epochs": 10, "finetune_epochs": 5}
+
+
+@dataclass
+class Case:
+    name: str
+    dataset: str
+    partition: dict
+    encoder: dict
+    seeds: tuple = (0,)
+    root: str | None = str(DATA)
+    public_fraction: float = 0.0
+    note: str = ""
+
+
+def structured(c: int) -> dict:
+    # S4's sampler on FEMNIST's pooled writers: C clusters of 8 classes (62 // C apart),
+    # 10 clients per cluster, power-law sizes with a floor of 20 samples per client
+    return {"kind": "structured", "clusters": c, "classes_per_cluster": 8, "clients": 10 * c,
+            "alpha": 20.0, "delta": 0.5, "test_per_client": 20}
+
+
+SUITE = [
+    Case("digits-s1-m20", "digits", {**S1, "clients": 20, "samples_per_client": 50, "test_per_client": 20},
+         {"dataset": "public", "epochs": 100}, (0, 1, 2), None, 0.2),
+    Case("mnist-s1-m100-enc1", "mnist", {**S1, "clients": 100, "samples_per_client": 600}, ENC_FEMNIST, (0, 1)),
+    Case("mnist-s2-m100-enc1", "mnist", {**S2, "clients": 100, "samples_per_client": 600}, ENC_FEMNIST, (0, 1)),
+    Case("mnist-s1-m50-enc2", "mnist", {**S1, "clients": 50, "samples_per_client": 600}, ENC2_FMNIST),
+    Case("mnist-s1-m600-enc1", "mnist", {**S1, "clients": 600, "samples_per_client": 90}, ENC_FEMNIST),
+    Case("fmnist-s1-m100-enc1", "fashion_mnist", {**S1, "clients": 100, "samples_per_client": 500},
+         ENC_PUBLIC, (0, 1), public_fraction=0.1),
+    Case("fmnist-s2-m100-enc1", "fashion_mnist", {**S2, "clients": 100, "samples_per_client": 500},
+         ENC_PUBLIC, (0, 1), public_fraction=0.1),
+    Case("fmnist-s2-m50-enc2", "fashion_mnist", {**S2, "clients": 50, "samples_per_client": 500}, ENC2_MNIST),
+    Case("cifar10-s1-m100-enc1", "cifar10_jpg", {**S1, "clients": 100, "samples_per_client": 450},
+         ENC_PUBLIC, root=str(DATA / "cifar10-jpg"), public_fraction=0.1),
+    Case("cifar10-s2-m100-enc1", "cifar10_jpg", {**S2, "clients": 100, "samples_per_client": 450},
+         ENC_PUBLIC, root=str(DATA / "cifar10-jpg"), public_fraction=0.1),
+    *[Case(f"femnist-structured-c{c}", "femnist", structured(c), ENC_PUBLIC, (0, 1),
+           root=str(DATA / "femnist"), public_fraction=0.1) for c in (3, 5, 10)],
+    Case("mnist-dirichlet-a0.1", "mnist", {"kind": "dirichlet", "clients": 100, "alpha": 0.1,
+         "samples_per_client": 500}, ENC_FEMNIST, note="no planted clusters"),
+    Case("mnist-iid-a100", "mnist", {"kind": "dirichlet", "clients": 100, "alpha": 100.0,
+         "samples_per_client": 500}, ENC_FEMNIST, note="no structure: one cluster is right"),
+    Case("femnist-writers", "femnist", {"kind": "writers", "clients": 105}, ENC_PUBLIC,
+         root=str(DATA / "femnist"), public_fraction=0.1, note="natural clients, no planted clusters"),
+]
+
+
+# -- the server-side variants compared on the same centroids -----------------------------
+def variants():
+    from server import fcr
+
+    R = fcr.Relatedness
+    return {
+        "paper (umap, min, gamma 1, ward A~, gap)": fcr.PRESETS["paper"],
+        "paper, gamma 0.5": R(space="umap", distance="min", linkage="ward_graph", choose="gap", gamma=0.5),
+        "umap, chamfer, average, silhouette": R(space="umap"),
+        "embedding, min, average, silhouette": R(distance="min"),
+        "embedding, hausdorff, average, silhouette": R(distance="hausdorff"),
+        "embedding, chamfer, average, gap": R(choose="gap"),
+        "embedding, chamfer, complete, silhouette": R(linkage="complete"),
+        "set: embedding, chamfer, average, silhouette (default)": fcr.PRESETS["set"],
+    }
+
+
+# -- running FCR's client side once per case and seed ---------------------------------------
+def scenario(case: Case, seed: int) -> dict:
+    part = {"test_per_client": 100, "public_fraction": case.public_fraction, **case.partition}
+    return {"name": f"fcrq-{case.name}", "seed": seed,
+            "data": {"dataset": case.dataset, "root": case.root},
+            "partition": part, "model": "mlp", "devices": {"processes": 2, "round_timeout_s": 1800},
+            "methods": [{"name": "flt", "encoder": case.encoder}]}
+
+
+def centroids_for(case: Case, seed: int, fresh: bool = False) -> dict:
+    from emulator.config import resolve
+    from emulator.relate import relate_scenario
+
+    raw = scenario(case, seed)
+    key = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
+    out = CACHE / f"{case.name}-s{seed}-{key}"
+    npz = out / "flt" / "fcr.npz"
+    if fresh or not npz.exists():
+        tic = time.perf_counter()
+        relate_scenario(resolve(copy.deepcopy(raw)), str(out), progress=lambda *_: None)
+        (out / "embed_seconds.txt").write_text(f"{time.perf_counter() - tic:.2f}")
+    with np.load(npz) as z:
+        owner, cents, truth = z["owner"], z["centroids"], z["truth"]
+    clients = np.unique(owner)
+    return {"sets": [cents[owner == c] for c in clients], "truth": truth,
+            "embed_s": float((out / "embed_seconds.txt").read_text())}
+
+
+def probe_accuracy(sets: list[np.ndarray], truth: np.ndarray, seed: int = 0) -> float | None:
+    """Client-level linear probe of the planted cluster, cross-validated by client."""
+    if (truth < 0).any() or len(np.unique(truth)) < 2:
+        return None
+    x = np.concatenate(sets)
+    owner = np.repeat(np.arange(len(sets)), [len(s) for s in sets])
+    y = truth[owner]
+    correct = 0
+    for train, test in GroupKFold(n_splits=5).split(x, y, owner):
+        clf = LogisticRegression(max_iter=2000, C=1.0, random_state=seed).fit(x[train], y[train])
+        logp = clf.predict_log_proba(x[test])
+        clients, inv = np.unique(owner[test], return_inverse=True)
+        per_client = np.zeros((len(clients), logp.shape[1]))
+        np.add.at(per_client, inv, logp)
+        pred = clf.classes_[per_client.argmax(1)]
+        correct += int((pred == truth[clients]).sum())
+    return correct / len(sets)
+
+
+def evaluate(sets, truth, how, seed: int, umap_points) -> dict:
+    from server import fcr
+
+    tic = time.perf_counter()
+    points = umap_points if how.space == "umap" else sets
+    found = fcr.relate(points, how)
+    out = {"clusters": found.n_clusters, "seconds": time.perf_counter() - tic}
+    if (truth >= 0).all():
+        planted = len(np.unique(truth))
+        given = fcr.relate(points, how, n_clusters=planted)
+        out |= {"ari": adjusted_rand_score(truth, found.labels),
+                "nmi": normalized_mutual_info_score(truth, found.labels),
+                "ari_true_c": adjusted_rand_score(truth, given.labels), "planted": planted}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="", help="run only cases whose name contains this")
+    ap.add_argument("--fresh", action="store_true", help="re-embed even when cached")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "fcr_quality.json"))
+    args = ap.parse_args()
+    if not DATA.is_dir():
+        sys.exit(f"the real data folder {DATA} is missing (see ../shared/data/README.md)")
+    from server import fcr
+
+    rows = []
+    for case in [c for c in SUITE if args.only in c.name]:
+        for seed in case.seeds:
+            print(f"== {case.name} seed {seed}", flush=True)
+            got = centroids_for(case, seed, args.fresh)
+            sets, truth = got["sets"], got["truth"]
+            tic = time.perf_counter()
+            umap_points = fcr.umap_project(sets, seed=seed)
+            umap_s = time.perf_counter() - tic
+            row = {"case": case.name, "seed": seed, "clients": len(sets), "note": case.note,
+                   "embed_s": got["embed_s"], "umap_s": umap_s,
+                   "probe": probe_accuracy(sets, truth, seed), "variants": {}}
+            for name, how in variants().items():
+                row["variants"][name] = evaluate(sets, truth, how, seed, umap_points)
+            rows.append(row)
+            print(_row_line(row), flush=True)
+    result = {"machine": machine_info(), "cases": [asdict(c) for c in SUITE if args.only in c.name],
+              "rows": rows, "worst": worst_case(rows)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2, default=float))
+    print(table(rows))
+    print(f"\nwrote {args.out}")
+
+
+def _row_line(row) -> str:
+    v = row["variants"]
+    best = max(v, key=lambda k: v[k].get("ari", -1))
+    probe = "-" if row["probe"] is None else f"{row['probe']:.2f}"
+    return f"   probe {probe}  best: {best} ARI {v[best].get('ari', float('nan')):.3f}"
+
+
+def worst_case(rows) -> dict:
+    """Per variant: the lowest ARI over the cases whose embedding separates the clusters
+    (probe >= 0.9), the mean, and how many cases it found the planted C in."""
+    out = {}
+    for name in variants():
+        sep = [r["variants"][name] for r in rows if r["probe"] is not None and r["probe"] >= 0.9]
+        planted = [r["variants"][name] for r in rows if r["probe"] is not None]
+        if not planted:
+            continue
+        out[name] = {"worst_ari_separable": min((v["ari"] for v in sep), default=None),
+                     "mean_ari_separable": float(np.mean([v["ari"] for v in sep])) if sep else None,
+                     "right_c": sum(v["clusters"] == v["planted"] for v in planted), "cases": len(planted),
+                     "iid_clusters": [r["variants"][name]["clusters"] for r in rows if "iid" in r["case"]]}
+    return out
+
+
+def table(rows) -> str:
+    names = list(variants())
+    lines = ["", "ARI with C chosen automatically (clusters found / planted); probe = client-level linear "
+             "probe accuracy of the embedding", ""]
+    short = {n: f"V{i + 1}" for i, n in enumerate(names)}
+    lines += [f"  {short[n]} = {n}" for n in names] + [""]
+    head = f"{'case':<28}{'seed':>5}{'probe':>7}" + "".join(f"{short[n]:>12}" for n in names)
+    lines += [head, "-" * len(head)]
+    for r in rows:
+        cells = []
+        for n in names:
+            v = r["variants"][n]
+            cells.append(f"{v['ari']:.2f} {v['clusters']}/{v['planted']}" if "ari" in v else f"C={v['clusters']}")
+        probe = "-" if r["probe"] is None else f"{r['probe']:.2f}"
+        lines.append(f"{r['case']:<28}{r['seed']:>5}{probe:>7}" + "".join(f"{c:>12}" for c in cells))
+    lines += ["", f"{'worst case over separable cases':<40}{'worst ARI':>10}{'mean ARI':>10}{'right C':>9}"]
+    for n, w in worst_case(rows).items():
+        wa = "-" if w["worst_ari_separable"] is None else f"{w['worst_ari_separable']:.3f}"
+        ma = "-" if w["mean_ari_separable"] is None else f"{w['mean_ari_separable']:.3f}"
+        lines.append(f"  {short[n]:<38}{wa:>10}{ma:>10}{w['right_c']:>5}/{w['cases']}  iid C: {w['iid_clusters']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
