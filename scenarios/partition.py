@@ -156,6 +156,9 @@ def cluster_classes(n_clusters: int, classes_per_cluster: int, num_classes: int,
         raise PartitionError(f"need n_clusters, classes_per_cluster, num_classes >= 1 (got {n_clusters}, {k}, {num_classes})")
     if shared_classes >= k:
         raise PartitionError(f"shared_classes={shared_classes} must be < classes_per_cluster={k}")
+    if k > num_classes:  # before building any list: a huge k must not allocate
+        raise PartitionError(f"partition.classes_per_cluster: {k} classes per cluster would repeat a "
+                             f"class; the dataset has {num_classes}")
     step = k - shared_classes
     out = [[(c * step + j) % num_classes for j in range(k)] for c in range(n_clusters)]
     for c, cls in enumerate(out):

@@ -133,6 +133,8 @@ def test_more_clients_than_samples_is_refused_before_allocating():
     with pytest.raises(part.PartitionError, match="partition.samples_per_client: 2000"):
         part.partition_dirichlet(y_train, y_test, n_clients=2, alpha=0.5, samples_per_client=2000,
                                  test_per_client=5, rng=rng)
+    with pytest.raises(part.PartitionError, match="partition.classes_per_cluster: 1000000000 classes"):
+        part.cluster_classes(5, 10**9, 10, 0)  # refused before a list of 10**9 classes exists
     with pytest.raises(part.PartitionError, match="partition.test_per_client: 500"):
         part.partition_structured(y_train, y_test, n_clients=4, n_clusters=2, classes_per_cluster=2,
                                   alpha=1.0, delta=0.5, test_per_client=500, rng=rng)
