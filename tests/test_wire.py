@@ -247,3 +247,29 @@ def test_gather_rejects_stale_mid_run_hello_and_checked_replies_and_keeps_the_go
         thread.join()
         stranger.close()
         server.sock.close(linger=0)
+
+
+def test_rejections_are_logged_at_a_bounded_rate(caplog):
+    from server.transport import LOG_FIRST
+
+    server = Transport()
+    try:
+        with caplog.at_level("WARNING", logger="flt.server"):
+            for _ in range(500):
+                server.reject("malformed", "peer", (10, 0), "garbage")
+        assert server.rejections.by_reason["malformed"] == [500, 5000]
+        assert len(caplog.records) == LOG_FIRST  # the summary line waits LOG_EVERY_S
+    finally:
+        server.sock.close(linger=0)
+
+
+def test_a_device_rejects_a_task_without_an_integer_batch_id():
+    from devices.device import Device
+
+    dev = Device("tcp://127.0.0.1:9", name="dev-x")  # nothing listens: the socket never sends
+    try:
+        for batch in ([1], None, "1", True):
+            dev.collect(Message("train", 1, 3, meta={"batch": batch, "last": 1}))
+        assert dev.rejected == 4 and not dev.pending
+    finally:
+        dev.sock.close(linger=0)
