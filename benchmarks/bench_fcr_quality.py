@@ -138,7 +138,7 @@ def centroids_for(case: Case, seed: int, fresh: bool = False) -> dict:
     npz = out / "flt" / "fcr.npz"
     if fresh or not npz.exists():
         tic = time.perf_counter()
-        relate_scenario(resolve(copy.deepcopy(raw)), str(out), progress=lambda *_: None)
+        relate_scenario(resolve(copy.deepcopy(raw)), str(out), progress=lambda *_: None, umap=False)
         (out / "embed_seconds.txt").write_text(f"{time.perf_counter() - tic:.2f}")
     with np.load(npz) as z:
         owner, cents, truth = z["owner"], z["centroids"], z["truth"]

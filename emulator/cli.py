@@ -27,6 +27,8 @@ def main(argv=None) -> int:
     _scenario_args(rel)
     rel.add_argument("--method", help="the scenario's FCR entry to use, by label (default: its first "
                      "FLT or PCA+kM+HC entry, else FLT's defaults)")
+    rel.add_argument("--no-umap", action="store_true", help="skip the UMAP figure (numba compiles "
+                     "UMAP the first time: seconds to minutes)")
 
     dev = sub.add_parser("device", help="run a device process by hand against a server address")
     dev.add_argument("--connect", required=True, help="server address, e.g. tcp://HOST:5555")
@@ -58,7 +60,8 @@ def _run(args) -> int:
     if args.cmd == "relate":
         from emulator.relate import relate_scenario
 
-        return guarded(lambda: relate_scenario(config.load(args.scenario, args.set), args.out, args.method))
+        return guarded(lambda: relate_scenario(config.load(args.scenario, args.set), args.out, args.method,
+                                                       umap=not args.no_umap))
     methods = None
     if args.cmd == "compare":
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]

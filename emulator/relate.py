@@ -3,7 +3,7 @@
 It does what a run does up to round 0: partitions, starts the server socket and the
 device processes, pretrains or loads the encoder, sends it to every client over
 ZeroMQ, collects the clients' centroids, then clusters them. It writes the FCR
-artifacts (relate.json, fcr.npz, adjacency.png, dendrogram.png, centroids.png) and
+artifacts (relate.json, fcr.npz, adjacency.png, dendrogram.png, centroids.png, umap.png) and
 prints the clusters found, their sizes, ARI/NMI against the planted clusters, bytes and
 seconds: what a user runs to see whether their clients are related.
 """
@@ -21,6 +21,8 @@ from emulator import processes, report
 from emulator.run import (assign_clients, build_partition, hold_out_public, initial_weights,
                           load_data, make_run_dir, _abs, aggregation_device)
 from scenarios.schema import ConfigError
+from server import fcr
+from server.fcr_report import scatter
 from server.federation import Federation
 from server.strategies import STRATEGIES
 from server.strategies.base import Context
@@ -50,7 +52,7 @@ def _defaults(cls) -> dict:
 
 
 def relate_scenario(cfg: dict, out: str | None = None, method: str | None = None,
-                    progress=print) -> tuple[Path, dict]:
+                    progress=print, umap: bool = True) -> tuple[Path, dict]:
     """Run FCR once over every client of the scenario; returns the run folder and the report."""
     spec = pick_method(cfg, method)
     run_dir = make_run_dir(cfg, out)
@@ -89,9 +91,19 @@ def relate_scenario(cfg: dict, out: str | None = None, method: str | None = None
     finally:
         transport.close()
         fleet.stop()
+    if umap and strategy.how.space == "embedding":  # the pipeline did not need UMAP; draw it anyway
+        plot_umap(strategy, ctx)
     (run_dir / "relate.json").write_text(json.dumps(result, indent=2, default=report._jsonable))
     progress(describe(result))
     return run_dir, result
+
+
+def plot_umap(strategy: FLT, ctx: Context) -> None:
+    """umap.png: the clients' centroids after seeded UMAP, coloured by found and by true
+    cluster (a picture for the person who asked whether their clients are related)."""
+    clients = sorted(strategy.centroids)
+    points = fcr.umap_project([strategy.centroids[c] for c in clients], seed=ctx.seed)
+    scatter(ctx.run_dir / "umap.png", points, strategy.labels[clients], ctx.truth[clients], "UMAP")
 
 
 def _fcr_traffic(transport: Transport) -> dict:

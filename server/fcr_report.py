@@ -51,6 +51,18 @@ def plot_fcr(out_dir: Path, adj: np.ndarray, graph: np.ndarray, z: np.ndarray, o
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
 
+    paths.append(scatter(out_dir / f"centroids{tag}.png", points, labels, truth, "2-D"))
+    return paths
+
+
+def scatter(path: Path, points: list[np.ndarray], labels: np.ndarray, truth: np.ndarray | None,
+            space: str) -> Path:
+    """Every client's centroids as 2-D points, coloured by found (and true) cluster."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     pts = np.concatenate(points)
     panels = [("found cluster", labels)] + ([("true cluster", truth)] if truth is not None else [])
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 5), squeeze=False)
@@ -59,9 +71,8 @@ def plot_fcr(out_dir: Path, adj: np.ndarray, graph: np.ndarray, z: np.ndarray, o
         if pts.shape[1] >= 2:
             sc = ax.scatter(pts[:, 0], pts[:, 1], c=owner, cmap="tab10" if owner.max() < 10 else "tab20", s=12)
             ax.legend(*sc.legend_elements(), title=title, fontsize=7, loc="best")
-        ax.set(title=f"client centroids in 2-D, coloured by {title}")
+        ax.set(title=f"client centroids ({space}), coloured by {title}")
     fig.tight_layout()
-    paths.append(out_dir / f"centroids{tag}.png")
-    fig.savefig(paths[-1], dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return paths
+    return path
