@@ -72,8 +72,6 @@ def _timing(rounds: list[dict]) -> dict:
             "eval_s_per_round": float(np.median([t["eval_s"] for t in rounds if "eval_s" in t] or [0.0]))}
 
 
-
-
 def _to_target(evals: list[dict], target: float | None):
     if target is None:
         return None

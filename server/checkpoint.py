@@ -130,7 +130,8 @@ def _project_class(name: str) -> type:
 
 def restore_vars(obj, state: dict) -> None:
     """Put saved attributes back on a live object. A dict attribute is refilled in place,
-    so a defaultdict keeps its default factory; so is a nested object of the same class."""
+    so a defaultdict keeps its default factory; so is a nested object of the same class
+    (frozen dataclasses included: the saved values are the object's own)."""
     for name, value in state.items():
         current = getattr(obj, name, None)
         if type(current) is type(value) and type(value).__module__.split(".")[0] in PROJECT_PACKAGES \
@@ -140,4 +141,4 @@ def restore_vars(obj, state: dict) -> None:
             current.clear()
             current.update(value)
         else:
-            setattr(obj, name, value)
+            object.__setattr__(obj, name, value)

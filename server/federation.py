@@ -96,10 +96,11 @@ class Federation:
         """The transport's side of a checkpoint: bytes so far, the next batch id (it is in
         every header, so its digits count), lost devices, and what devices hold per client."""
         t = self.transport
+        clients = self._device_state(rnd)  # uses a batch id too, in both runs
         batch = next(t.batches)
         t.batches = itertools.count(batch)  # peeked, not consumed
         return {"ledger": t.ledger, "batch": batch, "lost_devices": sorted(t.lost_devices),
-                "clients": self._device_state(rnd)}
+                "clients": clients}
 
     def load_state_dict(self, state: dict) -> None:
         self.transport.lost_devices.update(state["lost_devices"])
@@ -146,19 +147,24 @@ class Federation:
             t.ledger = billed
 
 
-# Keys whose values depend on the machine, not on the scenario: wall-clock seconds and
-# whether the encoder came from the cache. They move to a record's `timing` object.
-WALL_CLOCK_KEYS = frozenset({"seconds", "server_seconds", "train_s", "eval_s", "wall_s", "setup_s",
-                             "s_per_round", "eval_s_per_round", "cached", "cache"})
+# Keys whose values depend on the machine, not on the scenario: wall-clock seconds (any
+# key ending in "seconds", e.g. FLT's encoder_seconds) and the encoder cache (its path,
+# whether it hit). They move to a record's `timing` object. Emulated time ends in "_s".
+WALL_CLOCK_KEYS = frozenset({"train_s", "eval_s", "wall_s", "setup_s", "s_per_round", "eval_s_per_round"})
+WALL_CLOCK_SUFFIXES = ("seconds", "cached", "cache")
+
+
+def is_wall_clock(key) -> bool:
+    return isinstance(key, str) and (key in WALL_CLOCK_KEYS or key.endswith(WALL_CLOCK_SUFFIXES))
 
 
 def split_timing(obj):
-    """(obj without WALL_CLOCK_KEYS at any depth, those values in the same nesting or
+    """(obj without wall-clock keys at any depth, those values in the same nesting or
     None). Lists keep their positions: events[i]'s seconds are timing['events'][i]."""
     if isinstance(obj, dict):
         clean, timing = {}, {}
         for k, v in obj.items():
-            if k in WALL_CLOCK_KEYS:
+            if is_wall_clock(k):
                 timing[k] = v
                 continue
             clean[k], sub = split_timing(v)
