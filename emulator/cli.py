@@ -14,7 +14,10 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     run = sub.add_parser("run", help="run a scenario file")
-    _scenario_args(run)
+    _scenario_args(run, optional=True)
+    run.add_argument("--resume", metavar="RUN_DIR",
+                     help="continue a killed run from its last completed round (its config.yaml and "
+                          "partition.npz; finished methods are kept)")
 
     cmp_ = sub.add_parser("compare", help="run several methods on the same partition, weights and draws")
     _scenario_args(cmp_)
@@ -46,8 +49,8 @@ def main(argv=None) -> int:
     return _run(args)
 
 
-def _scenario_args(p):
-    p.add_argument("scenario", help="scenario YAML file")
+def _scenario_args(p, optional: bool = False):
+    p.add_argument("scenario", nargs="?" if optional else None, help="scenario YAML file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field, e.g. --set train.rounds=5 (repeatable)")
     p.add_argument("--out", help="run folder (default: <output>/<name>-<time>)")
@@ -65,11 +68,36 @@ def _run(args) -> int:
     methods = None
     if args.cmd == "compare":
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.cmd == "run" and args.resume:
+        action = lambda: _resume(args)  # noqa: E731
+    elif args.scenario is None:
+        print("error: a scenario file, or --resume RUN_DIR, is needed", file=sys.stderr)
+        return 2
+    else:
+        action = lambda: run_scenario(config.load(args.scenario, args.set, methods), args.out)  # noqa: E731
     try:
-        return guarded(lambda: run_scenario(config.load(args.scenario, args.set, methods), args.out))
+        return guarded(action)
     except KeyboardInterrupt:
         print("interrupted: results so far are in the run folder", file=sys.stderr)
         return 130
+
+
+def _resume(args) -> None:
+    """`flt run --resume RUN_DIR`: the folder's own config.yaml and partition, nothing else
+    (a scenario or --set would make it another run)."""
+    from pathlib import Path
+
+    from emulator import config
+    from emulator.run import run_scenario
+    from scenarios.schema import ConfigError
+
+    run_dir = Path(args.resume)
+    if args.scenario or args.set or args.out:
+        raise ConfigError("--resume continues a run with its own config.yaml: give no scenario, --set or --out")
+    for name in ("config.yaml", "partition.npz", "public_indices.npy"):
+        if not (run_dir / name).is_file():
+            raise ConfigError(f"{run_dir}: no {name}; not a run folder that can be resumed")
+    run_scenario(config.load(str(run_dir / "config.yaml"), []), str(run_dir), resume=True)
 
 
 def guarded(action) -> int:
