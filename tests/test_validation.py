@@ -332,3 +332,11 @@ def test_every_user_facing_error_shares_the_base():
     for cls in (ConfigError, DataError, part.PartitionError, ProfileError, DeviceError):
         assert issubclass(cls, FltError)
     assert DeviceError.exit_code == 3 and ConfigError.exit_code == 2
+
+
+def test_dataset_names_follow_the_loaders_spelling():
+    assert config.load(QUICKSTART, ["data.dataset=emnist:letters", "data.root=/data"])["data"]["dataset"] \
+        == "emnist:letters"
+    assert config.load(QUICKSTART, ["data.dataset=Fashion-MNIST", "data.root=/data"])
+    with pytest.raises(ConfigError, match=r"data.dataset: expected one of digits, .*got 'emnist:nope'"):
+        config.load(QUICKSTART, ["data.dataset=emnist:nope", "data.root=/data"])
