@@ -27,6 +27,7 @@ import zmq
 from devices import embedding
 from devices.trainer import CohortTrainer, TrainConfig
 from models.flat import param_spec
+from models.keys import Credentials, HandshakeWatch
 from models.nets import build_model
 from models.wire import Message, ProtocolError, decode, encode
 from scenarios.datasets import load_dataset
@@ -44,14 +45,21 @@ class Shard:
 
 class Device:
     def __init__(self, endpoint: str, name: str | None = None, data_root: str | None = None,
-                 threads: int = 1, parent_pid: int | None = None, crash_at_round: int | None = None):
-        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+                 threads: int = 1, parent_pid: int | None = None, crash_at_round: int | None = None,
+                 credentials: Credentials | None = None):
+        self.credentials = credentials or Credentials()
+        self.name = self.credentials.name or name or f"{socket.gethostname()}-{os.getpid()}"
+        if name and self.credentials.name and name != self.credentials.name:
+            log.warning("the server names this device by its key file: %s, not %s", self.name, name)
         self.data_root, self.parent_pid = data_root, parent_pid
         torch.set_num_threads(max(1, threads))
         self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        self.sock = self.ctx.socket(zmq.DEALER)  # no routing id of our own: the server names us
         self.sock.setsockopt(zmq.LINGER, 2000)
+        self.handshakes = None
+        if self.credentials.curve:
+            self.credentials.secure(self.sock)
+            self.handshakes = HandshakeWatch(self.sock)
         self.sock.connect(endpoint)
         self.shards: dict[int, Shard] = {}
         self.resident: dict[int, torch.Tensor] = {}  # per-client models kept on the device (Local)
@@ -66,7 +74,10 @@ class Device:
     # -- loop -----------------------------------------------------------------------
     def run(self) -> int:
         # no pid: a newcomer's hello is billed, and its size must not vary between reruns
-        self.send(Message("hello", meta={"name": self.name, "threads": torch.get_num_threads()}))
+        hello = {"name": self.name, "threads": torch.get_num_threads()}
+        if self.credentials.token:  # loopback without CURVE: only we can claim our name
+            hello["token"] = self.credentials.token
+        self.send(Message("hello", meta=hello))
         handlers = {"assign": self.on_assign, "reset": self.on_reset, "drift": self.on_drift,
                     "state": self.on_state}
         while True:
@@ -74,6 +85,9 @@ class Device:
                 if self.parent_pid and os.getppid() != self.parent_pid:  # orphaned
                     log.warning("%s: parent process %s is gone; exiting", self.name, self.parent_pid)
                     return 1
+                if self.handshakes and (why := self.handshakes.refused()):
+                    log.error("%s: %s; exiting", self.name, why)
+                    return 2
                 continue
             frames = self.sock.recv_multipart(copy=False)
             try:
@@ -326,10 +340,13 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads for this device")
     p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     p.add_argument("--crash-at-round", type=int, help="fault injection: exit when round N's tasks arrive")
+    p.add_argument("--key", help="this device's NAME.key_secret (from `flt keys`): CURVE")
+    p.add_argument("--server-key", help="the server's server.key (from `flt keys`)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
-    return Device(a.connect, a.name, a.data_root, a.threads, a.parent_pid, a.crash_at_round).run()
+    return Device(a.connect, a.name, a.data_root, a.threads, a.parent_pid, a.crash_at_round,
+                  Credentials.load(a.key, a.server_key)).run()
 
 
 if __name__ == "__main__":

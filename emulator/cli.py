@@ -38,15 +38,46 @@ def main(argv=None) -> int:
     dev.add_argument("--name", help="device id (default host-pid); unique per server")
     dev.add_argument("--data-root", help="where this host keeps the dataset")
     dev.add_argument("--threads", type=int, default=1)
+    dev.add_argument("--key", help="this device's NAME.key_secret from `flt keys` (CURVE; names the device)")
+    dev.add_argument("--server-key", help="the server's server.key from `flt keys`")
+
+    keys_ = sub.add_parser("keys", help="make CURVE key pairs: the server's and devices' (devices.keys: DIR)")
+    keys_.add_argument("dir", help="folder for the key files (created, mode 0700)")
+    keys_.add_argument("--devices", type=int, default=0, help="new device key pairs to add (default 0)")
+    keys_.add_argument("--prefix", default="edge", help="device names PREFIX-0, PREFIX-1, ... (default edge)")
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.cmd != "device" else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     if args.cmd == "device":
-        from devices.device import Device
-
-        return Device(args.connect, args.name, args.data_root, args.threads).run()
+        return _device(args)
+    if args.cmd == "keys":
+        return guarded(lambda: _keys(args))
     return _run(args)
+
+
+def _device(args) -> int:
+    from devices.device import Device
+    from models.keys import Credentials
+
+    creds: list = []
+    code = guarded(lambda: creds.append(Credentials.load(args.key, args.server_key)))
+    return code or Device(args.connect, args.name, args.data_root, args.threads, credentials=creds[0]).run()
+
+
+def _keys(args) -> None:
+    """Make the key files; print where they are, never a secret key."""
+    from pathlib import Path
+
+    from models.keys import make_keys
+
+    folder = Path(args.dir)
+    names = make_keys(folder, args.devices, args.prefix)
+    print(f"{folder}: server.key_secret stays on the server (devices.keys: {folder})")
+    for name in names:
+        print(f"  {name}: give {folder / (name + '.key_secret')} and {folder / 'server.key'} to that host, "
+              f"then: flt device --connect tcp://SERVER:PORT --key {name}.key_secret --server-key server.key")
+    print("to revoke a device, delete its NAME.key from the folder (the server reads it at start)")
 
 
 def _scenario_args(p, optional: bool = False):

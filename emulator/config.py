@@ -16,6 +16,7 @@ from emulator.profiles import ProfileError, profiles_from_distribution
 from scenarios.datasets import DATASETS, DataError, dataset_key, load_dataset
 from scenarios.errors import short
 from scenarios.schema import ConfigError, Field, MethodSpec, section, validate
+from server.auth import SECURITY, security_problem
 from server.strategies import STRATEGIES
 
 DATA = {
@@ -63,6 +64,10 @@ DEVICES = {
     "start_timeout_s": Field(float, 120.0, "devices must connect within this", min=0, open_min=True),
     "crash": Field(dict, {}, "fault injection: {device index: round} kills that device process "
                    "when that round's training tasks arrive"),
+    "security": Field(str, "auto", "CURVE encryption and device keys; auto: on unless bind is loopback",
+                      choices=SECURITY),
+    "keys": Field(str, None, "folder made by `flt keys DIR`: the server's key pair and the public keys "
+                  "of the devices started by hand that may join", nullable=True),
 }
 
 PROFILES = {
@@ -155,7 +160,8 @@ def _one_line(exc: Exception) -> str:
 
 # Fields that name files or folders, as paths of keys from the top of the scenario.
 PATH_FIELDS = (("data", "root"), ("population", "profiles", "trace"),
-               ("population", "profiles", "fedscale_capacity"), ("population", "profiles", "fedscale_behave"))
+               ("population", "profiles", "fedscale_capacity"), ("population", "profiles", "fedscale_behave"),
+               ("devices", "keys"))
 
 
 def resolve_paths(raw: dict, base: Path) -> None:
@@ -190,6 +196,9 @@ def resolve(raw: dict) -> dict:
     for dev, rnd in cfg["devices"]["crash"].items():
         if not (isinstance(dev, int) and isinstance(rnd, int) and rnd >= 1):
             raise ConfigError(f"devices.crash: expected {{device index: round}}, got {short(dev)}: {short(rnd)}")
+    d = cfg["devices"]
+    if problem := security_problem(d["bind"], d["security"], d["keys"], d["external"]):
+        raise ConfigError(problem)
     p = cfg["partition"]
     if p["kind"] in ("clusters", "structured") and p["classes_per_cluster"] <= p["shared_classes"]:
         raise ConfigError("partition.shared_classes: must be smaller than partition.classes_per_cluster")

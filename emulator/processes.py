@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 from scenarios.errors import DeviceError
 from server.transport import Transport
@@ -14,8 +15,10 @@ from server.transport import Transport
 class DeviceFleet:
     """Device processes launched with `python -m devices`, one log file each."""
 
-    def __init__(self, endpoint: str, log_dir: Path, threads: int = 1, crash: dict | None = None):
+    def __init__(self, endpoint: str, log_dir: Path, threads: int = 1, crash: dict | None = None,
+                 enroll: Callable[[str], dict[str, str]] = lambda name: {}):
         self.endpoint, self.log_dir, self.threads = endpoint, log_dir, threads
+        self.enroll = enroll  # name -> the credentials (env vars) that alone get that name
         self.crash = crash or {}  # device index -> round at which it dies (fault injection)
         self.procs: dict[str, subprocess.Popen] = {}
         self.retired: dict[str, int | None] = {}
@@ -34,7 +37,8 @@ class DeviceFleet:
         if crash_at_round is not None:
             cmd += ["--crash-at-round", str(crash_at_round)]
         logf = open(self.log_dir / f"{name}.log", "w")
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
+        # secrets by environment (same user only), never on the command line (`ps` shows it)
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), **self.enroll(name)}
         # own process group: Ctrl-C reaches the emulator, which shuts devices down in order
         return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)

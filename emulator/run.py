@@ -28,6 +28,7 @@ from scenarios.errors import DeviceError
 from server.federation import Federation, run_method
 from server.strategies import STRATEGIES
 from server.strategies.base import Context
+from server.auth import gate_for
 from server.transport import Transport
 
 log = logging.getLogger("flt.emulator")
@@ -202,10 +203,11 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
     n_proc = min(os.cpu_count() or 1 if n_proc is None else n_proc, partition.n_clients)
     # the server's own tensor work is light; leave the cores to the device processes
     torch.set_num_threads(max(1, (os.cpu_count() or 1) - n_proc * cfg["devices"]["threads"]))
-    transport = Transport(cfg["devices"]["bind"],
+    d = cfg["devices"]
+    transport = Transport(d["bind"], gate_for(d["bind"], d["security"], d["keys"], d["external"]),
                           max_inbound=init.numel() * init.element_size())  # devices upload one model at most
     fleet = processes.DeviceFleet(transport.endpoint, run_dir / "logs", cfg["devices"]["threads"],
-                                  cfg["devices"]["crash"])
+                                  cfg["devices"]["crash"], enroll=transport.gate.enroll)
     transport.alive = fleet.alive
     summary: dict = {"scenario": cfg["name"], "run_dir": str(run_dir), "methods": {},
                      "partition_notes": partition.notes}
@@ -243,6 +245,7 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
         fleet.stop()
         summary["device_exit_codes"] = fleet.exit_codes()
         summary["rejected"] = transport.rejections.summary()  # the whole run's, start-up included
+        summary["security"] = transport.gate.report()
         report.write_summary(run_dir, summary)
     return run_dir
 

@@ -21,6 +21,7 @@ import zmq
 from models.wire import (MAX_HEADER_BYTES, TRAFFIC_CLASSES, Message, ProtocolError, decode, encode,
                          frame_bytes)
 from scenarios.errors import DeviceError, short
+from server.auth import Gate, Refused
 
 log = logging.getLogger("flt.server")
 
@@ -97,13 +98,19 @@ class Ledger:
 
 
 class Transport:
-    def __init__(self, endpoint: str = "tcp://127.0.0.1:*", max_inbound: int = MAX_HEADER_BYTES):
-        self.ctx = zmq.Context.instance()
+    def __init__(self, endpoint: str = "tcp://127.0.0.1:*", gate: Gate | None = None,
+                 max_inbound: int = MAX_HEADER_BYTES):
+        self.gate = gate or Gate(curve=False)      # who may connect, under which name (server/auth.py)
+        self.ctx = self.gate.ctx
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone device raises, not drops
-        self._limit_inbound(max_inbound)            # before bind: the listener copies it
+        self.gate.secure(self.sock)                # CURVE must be set before bind
+        self._limit_inbound(max_inbound)            # so must the size limit: the listener copies it
         self.sock.bind(endpoint)
+        # the server names each connection (routing ids are libzmq's, never the device's choice)
+        self.routes: dict[str, bytes] = {}          # device name -> routing id
+        self.names: dict[bytes, str] = {}           # routing id -> device name
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.ledger = Ledger()
         self.devices: dict[str, dict] = {}          # name -> hello meta
@@ -118,7 +125,9 @@ class Transport:
     def send(self, device: str, msg: Message) -> None:
         frames = encode(msg)
         payload, header = frame_bytes(frames)
-        ident = device.encode()
+        ident = self.routes.get(device)
+        if ident is None:
+            raise DeviceLost(f"device {device!r} never connected")
         try:
             self.sock.send_multipart([ident] + frames, copy=False)
         except zmq.ZMQError as exc:
@@ -129,7 +138,8 @@ class Transport:
         """ZeroMQ drops a frame larger than the run's largest legitimate inbound frame (a
         model, or a header at its cap) and disconnects its peer, before the server reads or
         allocates it."""
-        self.sock.setsockopt(zmq.MAXMSGSIZE, int(max(largest_message, MAX_HEADER_BYTES)))
+        limit = int(max(largest_message, MAX_HEADER_BYTES)) + self.gate.frame_overhead  # CURVE's wrapping
+        self.sock.setsockopt(zmq.MAXMSGSIZE, limit)
 
     def recv(self, timeout_s: float, kinds=SETUP_KINDS) -> tuple[str, Message] | None:
         """Next valid message of one of `kinds`, counted in the ledger, or None after the
@@ -152,7 +162,8 @@ class Transport:
             if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
                 return None
             frames = self.sock.recv_multipart(copy=False)
-            ident = bytes(frames[0]).decode(errors="replace")
+            rid = bytes(frames[0])
+            ident = self.names.get(rid) or _peer(rid)
             try:
                 msg = decode(frames[1:])
             except ProtocolError as exc:
@@ -160,6 +171,10 @@ class Transport:
                 continue
             payload, header = frame_bytes(frames[1:])
             size = (payload, header + len(frames[0]))
+            if msg.kind == "hello" and rid not in self.names:
+                ident = self._admit(rid, frames, msg, size)
+                if ident is None:
+                    continue
             if msg.kind != "hello" and ident not in self.devices:
                 self.reject("unknown device", ident, size, f"{msg.kind} (client {msg.client})")
             elif msg.client >= 0 and self.client_device.get(msg.client) != ident:
@@ -189,6 +204,19 @@ class Transport:
         self._logged_at[reason] = now
 
     # -- devices ----------------------------------------------------------------------
+    def _admit(self, rid: bytes, frames: list, msg: Message, size: tuple[int, int]) -> str | None:
+        """A new connection's hello: the gate names it (its CURVE key's name, or a name with
+        the right token) or refuses it; a refused hello gets no answer and is counted."""
+        user_id = frames[1].get("User-Id") if self.gate.curve else None
+        try:
+            name = self.gate.admit(msg.meta, user_id, taken=self.routes)
+        except Refused as exc:
+            claim = user_id or short(msg.meta.get("name"), 70)  # with CURVE, the key's name
+            self.reject(str(exc), _peer(rid), size, f"hello claiming {claim}")
+            return None
+        self.routes[name], self.names[rid] = rid, name
+        return name
+
     def wait_devices(self, n: int, timeout_s: float) -> list[str]:
         """Block until n devices said hello; raise naming how many came."""
         deadline = time.monotonic() + timeout_s
@@ -208,7 +236,10 @@ class Transport:
 
     def broadcast(self, msg: Message, devices=None) -> None:
         for d in devices or self.active_devices():
-            self.send(d, msg)
+            try:
+                self.send(d, msg)
+            except DeviceLost as exc:  # gone before its first task: the run goes on without it
+                self._lose(d, str(exc))
 
     def active_devices(self) -> list[str]:
         return [d for d in self.devices if d not in self.lost_devices]
@@ -311,6 +342,7 @@ class Transport:
     def forget(self, device: str) -> None:
         """A device that left on purpose (a method's newcomers): its clients are unhosted."""
         self.devices.pop(device, None)
+        self.names.pop(self.routes.pop(device, b""), None)
         for c in [c for c, d in self.client_device.items() if d == device]:
             del self.client_device[c]
 
@@ -324,7 +356,12 @@ class Transport:
                 self.send(d, Message("shutdown"))
             except DeviceLost:
                 pass
-        self.sock.close(linger=500)
+        self.gate.close(self.sock)
+
+
+def _peer(rid: bytes) -> str:
+    """How logs name a connection that has no device name (yet)."""
+    return f"peer-{rid.hex()[:16]}"
 
 
 def _ranges(ids: list[int]) -> str:

@@ -88,13 +88,13 @@ def test_message_for_a_client_the_device_does_not_host_is_rejected():
     server.client_device[5] = "dev-a"
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.IDENTITY, b"dev-b")
     s.connect(server.endpoint)
     try:
+        s.send_multipart(encode(Message("hello", meta={"name": "dev-b"})))
+        server._hello(*server.recv(timeout_s=10))
         s.send_multipart(encode(Message("update", 1, 5, tensors={"model": np.zeros(3, np.float32)})))
-        s.send_multipart(encode(Message("hello")))
-        ident, msg = server.recv(timeout_s=10)
-        assert msg.kind == "hello" and server.ledger.rejected == 1
+        assert server.recv(timeout_s=2, kinds=("update",)) is None
+        assert server.ledger.rejections.by_reason["wrong client"][0] == 1
     finally:
         s.close(linger=0)
         server.sock.close(linger=0)
