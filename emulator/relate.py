@@ -27,6 +27,7 @@ from server.federation import Federation
 from server.strategies import STRATEGIES
 from server.strategies.base import Context
 from server.strategies.flt import FLT
+from server.auth import gate_for
 from server.transport import Transport
 
 
@@ -65,8 +66,10 @@ def relate_scenario(cfg: dict, out: str | None = None, method: str | None = None
     m = partition.n_clients
     n_proc = cfg["devices"]["processes"]
     n_proc = min(os.cpu_count() or 1 if n_proc is None else n_proc, m)
-    transport = Transport(cfg["devices"]["bind"])
-    fleet = processes.DeviceFleet(transport.endpoint, run_dir / "logs", cfg["devices"]["threads"], {})
+    d = cfg["devices"]
+    transport = Transport(d["bind"], gate_for(d["bind"], d["security"], d["keys"], external=0))  # local only
+    fleet = processes.DeviceFleet(transport.endpoint, run_dir / "logs", d["threads"], {},
+                                  enroll=transport.gate.enroll)
     transport.alive = fleet.alive
     tic = time.perf_counter()
     try:
