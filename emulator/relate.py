@@ -122,5 +122,5 @@ def describe(r: dict) -> str:
     mb = sum(sum(v.values()) for v in r["bytes"].values()) / 1e6
     return (f"FCR ({r['method']}): {r['clusters']} clusters of sizes [{sizes}]{sil}\n"
             f"  {quality}\n"
-            f"  {r['clients']} clients, {mb:.2f} MB on the wire (encoder + centroids), "
+            f"  {r['n_clients']} clients, {mb:.2f} MB on the wire (encoder + centroids), "
             f"{r['wall_s']:.1f} s in all, {r['server_seconds']:.2f} s of it clustering on the server")

@@ -262,3 +262,18 @@ def test_a_periodic_re_run_re_embeds_everyone_even_when_flags_fire(tmp_path):
     (event,) = s.maintain(4, fed)
     assert event["cause"] == "period"
     assert fed.calls[-1] == (4, list(range(12)))
+
+
+def test_flt_relate_runs_fcr_alone_over_device_processes(tmp_path):
+    res = flt("relate", str(QUICKSTART), "--out", str(tmp_path), "--no-umap")
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert "5 clusters of sizes [4, 4, 4, 4, 4]" in res.stdout
+    assert "ARI 1.000" in res.stdout
+    report = json.loads((tmp_path / "relate.json").read_text())
+    assert report["n_clients"] == CLIENTS and report["planted_clusters"] == 5
+    assert report["bytes"]["up"]["embedding"] > 0 and report["bytes"]["down"]["encoder"] > 0
+    for name in ("adjacency.png", "dendrogram.png", "centroids.png", "fcr.npz"):
+        assert (tmp_path / "flt" / name).is_file(), name
+    assert not (tmp_path / "flt" / "metrics.jsonl").exists()  # no training round ran
+    bad = flt("relate", str(QUICKSTART), "--out", str(tmp_path / "x"), "--method", "fedavg")
+    assert bad.returncode == 2 and "not an FCR method" in bad.stderr

@@ -95,7 +95,13 @@ def test_recluster_fires_exactly_when_flags_pass_lambda(tmp_path, monkeypatch):
     params = parse_methods([{"name": "flt", "recluster_flags": 2}])[0].params
     flt = FLT(ctx, **params)
     calls = []
-    monkeypatch.setattr(flt, "embed", lambda fed, who, rnd, strict=False: calls.append(("embed", list(who))))
+    def embed(fed, who, rnd):  # every client answers: its outstanding flag is cleared
+        calls.append(("embed", list(who)))
+        for c in who:
+            flt.flag_round.pop(int(c), None)
+        return list(who)
+
+    monkeypatch.setattr(flt, "embed", embed)
     monkeypatch.setattr(flt, "relate", lambda clients, tag="": calls.append(("relate", tag)) or {})
     fed = SimpleNamespace(present=np.arange(m), transport=SimpleNamespace(ledger=Ledger()))
 
@@ -110,7 +116,7 @@ def test_recluster_fires_exactly_when_flags_pass_lambda(tmp_path, monkeypatch):
     events = round_with_flags(3, {2})              # the third flag passes lambda
     assert [e["cause"] for e in events] == ["flags"] and events[0]["clients"] == [0, 1, 2]
     assert calls == [("embed", [0, 1, 2]), ("relate", "-round3")]
-    assert round_with_flags(4, set()) == [] and not flt.flagged
+    assert round_with_flags(4, set()) == [] and not flt.flag_round
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +125,8 @@ def dynamic_run(tmp_path_factory):
     res = subprocess.run(
         [sys.executable, "-m", "emulator.cli", "run", "scenarios/dynamic_digits.yaml", "--out", str(out),
          "--set", "train.rounds=12", "--set", "population.drift=[{round: 11, clients: [0, 1, 2], to_cluster: 2}]",
-         "--set", "methods=[{name: flt, encoder: {dataset: public, epochs: 100}, k: auto, umap: {n_neighbors: 5},"
-                  " gamma: 0.5, newcomers: recluster, recluster_flags: 0}]"],
+         "--set", "methods=[{name: flt, encoder: {dataset: public, epochs: 100},"
+                  " newcomers: recluster, recluster_flags: 0}]"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr + res.stdout
     rows = [json.loads(x) for x in (out / "flt" / "metrics.jsonl").read_text().splitlines()]
@@ -189,9 +195,9 @@ def test_server_side_monitor_flags_a_client_whose_update_turns_away(tmp_path):
     updates = {c: v + 0.05 * c for c in range(m)}
     updates[4] = -v                                   # its data changed: it pulls the other way
     flt.aggregate(1, {c: Result(u, 1, {"flag": 0}) for c, u in updates.items()})
-    assert flt.flagged == {4} and flt.monitored == {4}
+    assert set(flt.flag_round) == {4} and flt.monitored == {4}
     fed = SimpleNamespace(present=np.arange(m), transport=SimpleNamespace(ledger=Ledger()))
-    flt.embed = lambda fed, who, rnd, strict=False: None
+    flt.embed = lambda fed, who, rnd: list(who)
     flt.relate = lambda clients, tag="": {}
     assert [e["cause"] for e in flt.maintain(1, fed)] == ["monitor"]
 

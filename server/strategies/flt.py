@@ -237,7 +237,7 @@ class FLT(Strategy):
         report = {"server_seconds": time.perf_counter() - tic, "clusters": found.n_clusters,
                   "gamma": how.gamma, "silhouette": found.silhouette, "pipeline": asdict(how),
                   "cluster_sizes": np.bincount(found.labels).tolist(),
-                  "mean_degree": float(found.graph.sum(1).mean()), "clients": int(len(clients)),
+                  "mean_degree": float(found.graph.sum(1).mean()), "n_clients": int(len(clients)),
                   "latent": int(points[0].shape[1]) if self.how.space == "embedding" else
                   int(next(iter(self.centroids.values())).shape[1]),
                   "centroids_sent": self.centroids_sent, "encoder_bytes": self.payload_bytes,
