@@ -126,6 +126,23 @@ def test_an_allowed_key_names_the_device_and_a_wrong_key_gets_nothing(key_dir, t
         rogue.kill()
 
 
+def test_a_device_with_a_wrong_server_key_gives_up_with_a_hint(key_dir, tmp_path):
+    server = Transport(gate=Gate.from_dir(key_dir))
+    keys.write_keypair(tmp_path, "impostor")  # what the device wrongly believes is the server's key
+    dev = subprocess.Popen([sys.executable, "-m", "devices", "--connect", server.endpoint,
+                            "--key", str(key_dir / "edge-0.key_secret"),
+                            "--server-key", str(tmp_path / "impostor.key")],
+                           cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.recv(3.0) is None
+        assert dev.wait(timeout=60) == 2
+        assert "--server-key" in dev.stderr.read() and not server.devices
+        assert server.gate.failed_handshakes >= keys.GIVE_UP_AFTER
+    finally:
+        dev.kill()
+        server.close()
+
+
 def test_a_client_without_curve_cannot_reach_a_curve_server(key_dir):
     server = Transport(gate=Gate.from_dir(key_dir))
     stranger = peer(server.endpoint, [{"name": "edge-0"}], hold_s=1.5, handshake=False)
