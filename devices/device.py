@@ -56,10 +56,9 @@ class Device:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)  # no routing id of our own: the server names us
         self.sock.setsockopt(zmq.LINGER, 2000)
-        self.handshakes = None
         if self.credentials.curve:
             self.credentials.secure(self.sock)
-            self.handshakes = HandshakeWatch(self.sock)
+        self.handshakes = HandshakeWatch(self.sock, self.credentials.curve)  # refused: say why, exit
         self.sock.connect(endpoint)
         self.shards: dict[int, Shard] = {}
         self.resident: dict[int, torch.Tensor] = {}  # per-client models kept on the device (Local)
@@ -85,7 +84,7 @@ class Device:
                 if self.parent_pid and os.getppid() != self.parent_pid:  # orphaned
                     log.warning("%s: parent process %s is gone; exiting", self.name, self.parent_pid)
                     return 1
-                if self.handshakes and (why := self.handshakes.refused()):
+                if why := self.handshakes.refused():
                     log.error("%s: %s; exiting", self.name, why)
                     return 2
                 continue

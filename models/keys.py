@@ -123,22 +123,27 @@ class HandshakeWatch:
     """Reads a CURVE client's monitor events, so a device the server refuses can say why
     and exit instead of retrying for ever."""
 
-    def __init__(self, sock: zmq.Socket):
+    def __init__(self, sock: zmq.Socket, curve: bool):
         self.monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
-        self.failures = 0
+        self.failures, self.curve = 0, curve
 
     def refused(self) -> str | None:
-        """Why the server will never talk to us, once that is certain; else None."""
+        """Why the server will never talk to us, once that is certain; else None. libzmq
+        gives up by itself after a protocol error (a CURVE client at a plain server or the
+        reverse); a wrong server key just fails again and again."""
         from zmq.utils.monitor import recv_monitor_message
 
+        hint = ("is --server-key the server's key, and does the server use CURVE?" if self.curve else
+                "the server probably requires CURVE: pass --key and --server-key (see `flt keys`)")
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 return "the server refused this device's key (it is not on the server's allowlist)"
+            if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                return f"the handshake with the server failed (protocol error): {hint}"
             self.failures = 0 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else self.failures + 1
         if self.failures >= GIVE_UP_AFTER:
-            return (f"{self.failures} CURVE handshakes with the server failed: is --server-key the "
-                    "server's key, and does the server use CURVE?")
+            return f"{self.failures} handshakes with the server failed: {hint}"
         return None
 
 

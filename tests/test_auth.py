@@ -137,7 +137,18 @@ def test_a_device_with_a_wrong_server_key_gives_up_with_a_hint(key_dir, tmp_path
         assert server.recv(3.0) is None
         assert dev.wait(timeout=60) == 2
         assert "--server-key" in dev.stderr.read() and not server.devices
-        assert server.gate.failed_handshakes >= keys.GIVE_UP_AFTER
+        assert server.gate.failed_handshakes >= 1
+    finally:
+        dev.kill()
+        server.close()
+
+
+def test_a_device_without_keys_at_a_curve_server_says_it_needs_them(key_dir):
+    server = Transport(gate=Gate.from_dir(key_dir))
+    dev = subprocess.Popen([sys.executable, "-m", "devices", "--connect", server.endpoint], cwd=REPO,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        assert dev.wait(timeout=60) == 2 and "pass --key and --server-key" in dev.stderr.read()
     finally:
         dev.kill()
         server.close()
