@@ -119,12 +119,14 @@ def run_emulator(args, data_root: Path, work: Path, label: str, eval_every: int,
     total = time.perf_counter() - t0
 
     records = [json.loads(x) for x in (run_dir / "fedavg" / "metrics.jsonl").read_text().splitlines() if x]
+    # a record's wall-clock figures are in its "timing" object:
     # train_s: selection + training + aggregation; eval_s: that round's evaluation, if any
-    per_round = [r["train_s"] + r.get("eval_s", 0.0) for r in records]
-    train_only = [r["train_s"] for r in records if r["round"] > 1]
-    with_eval = [r["train_s"] + r["eval_s"] for r in records if r["round"] > 1 and "eval_s" in r]
+    times = [{"round": r["round"], **r["timing"]} for r in records]
+    per_round = [t["train_s"] + t.get("eval_s", 0.0) for t in times]
+    train_only = [t["train_s"] for t in times if t["round"] > 1]
+    with_eval = [t["train_s"] + t["eval_s"] for t in times if t["round"] > 1 and "eval_s" in t]
     note = None
-    r1 = records[0]
+    r1 = times[0]
     round1_start = marks.get("round1_end", t0 + total) - r1["train_s"]
     last = next((r for r in reversed(records) if "acc_mean" in r), {})
     return {

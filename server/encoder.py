@@ -59,14 +59,19 @@ def pretrained_autoencoder(images: np.ndarray, settings: dict, device: torch.dev
     path = cache_dir() / f"convae-{key}.pt"
     torch.manual_seed(settings["seed"])  # initial weights too: the key must determine the encoder
     ae = ConvAE(tuple(images.shape[1:]), settings["latent"])
+    # the final loss is kept beside the weights: a cache hit reports what a miss does
+    # (apart from the timing fields), so reruns give the same summary
+    facts = path.with_suffix(".json")
     if path.exists():
         ae.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        return ae.eval(), {"cache": str(path), "cached": True, "seconds": 0.0}
+        known = json.loads(facts.read_text()) if facts.exists() else {}
+        return ae.eval(), {"cache": str(path), "cached": True, "seconds": 0.0, **known}
     tic = time.perf_counter()
     loss = pretrain(ae, images, settings, device, progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save(ae.state_dict(), tmp)
+    facts.write_text(json.dumps({"final_mse": loss}))
     tmp.replace(path)
     return ae.eval(), {"cache": str(path), "cached": False, "seconds": time.perf_counter() - tic,
                        "final_mse": loss}

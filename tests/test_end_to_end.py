@@ -34,7 +34,7 @@ def test_fedavg_learns_over_three_device_processes(fedavg_run):
     assert m["final_accuracy"] > 30.0, m  # chance is 10 % on ten digits
     logs = sorted(p.name for p in (out / "logs").iterdir())
     assert logs == ["dev-0.log", "dev-1.log", "dev-2.log"]
-    assert all(code == 0 for code in summary(out)["device_exit_codes"].values())
+    assert all(code == 0 for code in summary(out)["timing"]["device_exit_codes"].values())
     assert "round   8/8" in res.stdout
 
 
@@ -83,7 +83,7 @@ def test_a_device_that_dies_mid_round_does_not_hang_the_server(tmp_path):
     assert len(rows) == 5
     assert rows[2]["returned"] < rows[2]["selected"]        # round 3 finished without dev-1's clients
     assert all(r["n_eval"] == 10 for r in rows[2:])         # only dev-0's clients are evaluated after
-    assert s["device_exit_codes"]["dev-1"] == 3
+    assert s["timing"]["device_exit_codes"]["dev-1"] == 3
 
 
 def test_ctrl_c_stops_cleanly_and_keeps_the_rounds_done(tmp_path):
@@ -101,7 +101,7 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_rounds_done(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "interrupted" in err
     assert len(metrics.read_text().splitlines()) >= 3
-    codes = json.loads((tmp_path / "summary.json").read_text())["device_exit_codes"]
+    codes = json.loads((tmp_path / "summary.json").read_text())["timing"]["device_exit_codes"]
     assert codes == {"dev-0": 0, "dev-1": 0}  # devices were told to shut down and did
 
 

@@ -139,8 +139,8 @@ def test_newcomers_join_as_a_new_process_get_a_model_and_are_evaluated(dynamic_r
     assert all(r["n_eval"] == 25 for r in rows[9:])               # joined at round 10
     arrival = next(e for e in rows[9]["events"] if e["kind"] == "arrival")
     assert arrival["clients"] == [20, 21, 22, 23, 24] and arrival["placement"] == "recluster"
-    newcomers = [n for n in summary["device_exit_codes"] if n.startswith("new-")]
-    assert len(newcomers) == 1 and summary["device_exit_codes"][newcomers[0]] == 0
+    newcomers = [n for n in summary["timing"]["device_exit_codes"] if n.startswith("new-")]
+    assert len(newcomers) == 1 and summary["timing"]["device_exit_codes"][newcomers[0]] == 0
     assert (out / "logs" / f"{newcomers[0]}.log").exists()
     trained = {c for r in rows[9:] for c in range(20, 25)} and rows[9]["returned"] > 0
     assert trained

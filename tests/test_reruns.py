@@ -1,0 +1,97 @@
+"""Exact reruns: the same seed and scenario give the same records, bytes included, however
+many device processes share the clients. Wall-clock figures live apart, in `timing`."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from devices.device import client_generator
+from devices.trainer import CohortTrainer, TrainConfig
+from models.flat import flatten, param_spec
+from models.nets import build_model
+from test_resume import results_without_timing  # tests/ is on sys.path under pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES = [23, 50, 37, 61, 8]  # clients of unequal size: the cohort pads to the largest
+
+
+def cohort(ids):
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.rand(n, 1, 28, 28, generator=g) for n in SIZES]
+    ys = [torch.randint(0, 10, (n,), generator=g) for n in SIZES]
+    return [xs[i] for i in ids], [ys[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    # as in a device process (devices.threads: 1): with several intra-op threads a
+    # cohort of one takes another matmul path, and its last bits can differ
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 28, 28), 10)  # has dropout: its masks must be per client too
+    yield CohortTrainer(model, param_spec(model)), flatten(model)
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("cfg", [TrainConfig(epochs=2, batch_size=10, lr=0.05),
+                                 TrainConfig(epochs=2, batch_size=10, lr=0.01, prox_mu=0.1),
+                                 TrainConfig(epochs=1, batch_size=10, lr=0.001, optimizer="adam")])
+def test_a_clients_training_does_not_depend_on_its_cohort(trainer, cfg):
+    tr, init = trainer
+    everyone = list(range(len(SIZES)))
+    full, _ = tr.train(init.expand(len(SIZES), -1), *cohort(everyone), cfg,
+                       [client_generator(7, c) for c in everyone])
+    for ids in ([4], [1, 3], [0, 2, 4]):
+        part, _ = tr.train(init.expand(len(ids), -1), *cohort(ids), cfg, [client_generator(7, c) for c in ids])
+        for row, c in enumerate(ids):
+            assert torch.equal(part[row], full[c]), (ids, c)  # bit for bit, not approximately
+
+
+def test_the_per_client_loop_draws_the_same_batches_and_dropout(trainer):
+    tr, init = trainer
+    ids = [0, 1, 2]
+    gens = lambda: [client_generator(3, c) for c in ids]  # noqa: E731
+    vmapped, _ = tr.train(init.expand(3, -1), *cohort(ids), TrainConfig(epochs=2, lr=0.05), gens())
+    looped, _ = tr.train(init.expand(3, -1), *cohort(ids), TrainConfig(epochs=2, lr=0.05, vectorize=False), gens())
+    assert torch.allclose(vmapped, looped, atol=1e-5)
+    other, _ = tr.train(init.expand(3, -1), *cohort(ids), TrainConfig(epochs=2, lr=0.05),
+                        [client_generator(4, c) for c in ids])
+    assert not torch.equal(other, vmapped)  # the round's seed does reach the batches
+
+
+def test_a_clients_evaluation_does_not_depend_on_its_cohort(trainer):
+    tr, init = trainer
+    models = init.expand(len(SIZES), -1) + 0.01 * torch.randn(len(SIZES), init.numel())
+    everyone = list(range(len(SIZES)))
+    correct, total, loss = tr.evaluate(models, *cohort(everyone))
+    ids = [1, 4]
+    c2, t2, l2 = tr.evaluate(models[ids], *cohort(ids))
+    assert torch.equal(c2, correct[ids]) and torch.equal(t2, total[ids]) and torch.equal(l2, loss[ids])
+
+
+def test_client_streams_depend_on_seed_and_client_only():
+    draw = lambda seed, c: torch.rand(3, generator=client_generator(seed, c))  # noqa: E731
+    assert torch.equal(draw(5, 2), draw(5, 2))
+    assert not torch.equal(draw(5, 2), draw(5, 3)) and not torch.equal(draw(5, 2), draw(6, 2))
+
+
+@pytest.mark.slow
+def test_one_two_or_three_device_processes_give_identical_results(tmp_path):
+    runs = []
+    for n in (1, 2, 3):
+        out = tmp_path / f"p{n}"
+        res = subprocess.run(
+            [sys.executable, "-m", "emulator.cli", "run", "scenarios/quickstart.yaml", "--set", "train.rounds=4",
+             "--set", "methods=[fedavg, local, {name: flt, encoder: {dataset: public, epochs: 5}}]",
+             "--set", f"devices.processes={n}", "--out", str(out)],
+            cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr
+        runs.append(results_without_timing(out))
+        lines = (out / "fedavg" / "metrics.jsonl").read_text().splitlines()
+        assert all('"timing": {' in line for line in lines)  # wall-clock figures are named as such
+    assert runs[0] == runs[1] == runs[2]

@@ -1,0 +1,229 @@
+"""Checkpoints and `flt run --resume`: a killed run continues to exactly the results of an
+uninterrupted one."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from emulator.clock import EmulatedClock
+from emulator.config import parse_methods
+from emulator.population import Population, Schedule
+from server import checkpoint
+from server.checkpoint import CheckpointError
+from server.federation import split_timing
+from server.strategies import STRATEGIES
+from server.strategies.base import Context
+from server.transport import Ledger
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- the checkpoint format ---------------------------------------------------------------
+def test_checkpoint_round_trips_values_tensors_and_generators(tmp_path):
+    np_rng, torch_rng = np.random.default_rng(5), torch.Generator().manual_seed(5)
+    np_rng.random(3), torch.rand(3, generator=torch_rng)  # mid-stream, not at the seed
+    ledger = Ledger()
+    ledger.add(3, 7, "up", "model", 100, 20)
+    state = {"round": 4, "loss": float("nan"), "name": "x", "none": None, "flag": True,
+             "ids": {3, 1, 2}, "pairs": {(0, "up"): [1, 2]}, "by_client": {5: np.arange(3)},
+             "scalar": np.int64(7), "models": torch.randn(2, 3), "labels": np.array([1, 0, 1]),
+             "np_rng": np_rng, "torch_rng": torch_rng, "path": Path("/a/b"), "ledger": ledger,
+             "nested": [{"t": torch.ones(2, dtype=torch.int64)}, (1, 2.5)]}
+    checkpoint.save(tmp_path / "c.npz", state)
+    back = checkpoint.load(tmp_path / "c.npz")
+
+    assert back["round"] == 4 and np.isnan(back["loss"]) and back["name"] == "x" and back["none"] is None
+    assert back["ids"] == {1, 2, 3} and back["pairs"] == {(0, "up"): [1, 2]} and back["flag"] is True
+    assert np.array_equal(back["by_client"][5], np.arange(3)) and back["scalar"].dtype == np.int64
+    assert torch.equal(back["models"], state["models"]) and np.array_equal(back["labels"], state["labels"])
+    assert back["np_rng"].random() == np_rng.random()          # the stream goes on where it was
+    assert torch.equal(torch.rand(4, generator=back["torch_rng"]), torch.rand(4, generator=torch_rng))
+    assert back["path"] == Path("/a/b") and back["nested"][1] == (1, 2.5)
+    assert torch.equal(back["nested"][0]["t"], torch.ones(2, dtype=torch.int64))
+    assert back["ledger"].totals() == ledger.totals()
+    with np.load(tmp_path / "c.npz", allow_pickle=False) as z:  # nothing in it needs pickle
+        assert all(z[k].dtype != object for k in z.files)
+
+
+def test_checkpoint_refuses_a_foreign_object_by_its_path(tmp_path):
+    with pytest.raises(CheckpointError, match=r"state\['strategy'\]\['reducer'\]: a builtins.object"):
+        checkpoint.save(tmp_path / "c.npz", {"strategy": {"reducer": object()}})
+    assert not (tmp_path / "c.npz").exists()
+
+
+def test_restore_keeps_a_live_defaultdict_and_fills_nested_objects(tmp_path):
+    live = Ledger()
+    saved = Ledger()
+    saved.add(1, 2, "down", "model", 10, 1)
+    checkpoint.save(tmp_path / "c.npz", {"ledger": saved})
+    checkpoint.restore_vars(live, vars(checkpoint.load(tmp_path / "c.npz")["ledger"]))
+    assert isinstance(live.rows, defaultdict) and live.totals() == saved.totals()
+    live.add(2, 2, "down", "model", 5, 1)  # the default factory still works after a restore
+    assert live.totals()["down"]["model"]["payload"] == 15
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_strategy_state_survives_a_checkpoint(tmp_path, name):
+    ctx = Context(init=torch.randn(20, generator=torch.Generator().manual_seed(0)), n_clients=6,
+                  n_train=np.full(6, 10), device=torch.device("cpu"), seed=0, run_dir=tmp_path,
+                  truth=np.zeros(6, dtype=np.int64), train={"local_epochs": 1, "batch_size": 10, "lr": 0.01},
+                  scenario={"name": "t", "data": {"dataset": "digits", "root": None}})
+    params = parse_methods([name])[0].params
+    before = STRATEGIES[name](ctx, **params)
+    for attr, value in list(vars(before).items()):  # moved on from construction: random streams drawn
+        if isinstance(value, np.random.Generator):
+            value.random(5)
+        elif isinstance(value, torch.Generator):
+            torch.rand(5, generator=value)
+    checkpoint.save(tmp_path / "s.npz", before.state_dict())
+    after = STRATEGIES[name](ctx, **params)
+    after.load_state_dict(checkpoint.load(tmp_path / "s.npz"))
+    assert set(vars(after)) == set(vars(before))
+    for attr, value in before.state_dict().items():
+        _assert_same(getattr(after, attr), value, attr)
+
+
+def _assert_same(a, b, where):
+    if isinstance(b, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(b, np.ndarray):
+        assert np.array_equal(a, b), where
+    elif isinstance(b, np.random.Generator):
+        assert a.bit_generator.state == b.bit_generator.state, where
+    elif isinstance(b, torch.Generator):
+        assert torch.equal(a.get_state(), b.get_state()), where
+    elif isinstance(b, dict):
+        assert set(a) == set(b), where
+        for k in b:
+            _assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(b, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif hasattr(b, "__dict__") and not isinstance(b, type):
+        _assert_same(vars(a), vars(b), where)
+    else:
+        assert a == b, where
+
+
+def test_population_replays_arrivals_and_drift_then_takes_its_state():
+    calls = []
+    sched = Schedule(arrivals={2: np.array([4, 5])}, drift={3: [{"kind": "move", "client": 0, "partner": 1}]})
+    pop = Population(6, 0.5, 0, schedule=sched, arrive=lambda r, c: calls.append(("arrive", r, c.tolist())),
+                     drift=lambda r, ch: calls.append(("drift", r, ch)))
+    saved = {"present": np.ones(6, dtype=bool), "clock": EmulatedClock(42.5).state_dict(), "target": 3}
+    pop.load_state_dict(saved, upto=3)
+    assert calls == [("arrive", 2, [4, 5]), ("drift", 3, sched.drift[3])]
+    assert pop.present.all() and pop.clock.now_s == 42.5 and pop.target == 3
+
+
+def test_wall_clock_fields_move_to_timing_at_any_depth():
+    record = {"round": 3, "emulated_s": 9.0, "train_s": 0.2,
+              "events": [{"kind": "drift"}, {"kind": "recluster", "seconds": 1.5, "encoder_cached": True}],
+              "fcr": {"server_seconds": 0.1, "ari": 1.0}}
+    clean, timing = split_timing(record)
+    assert clean == {"round": 3, "emulated_s": 9.0, "events": [{"kind": "drift"}, {"kind": "recluster"}],
+                     "fcr": {"ari": 1.0}}
+    assert timing == {"train_s": 0.2, "events": [{}, {"seconds": 1.5, "encoder_cached": True}],
+                      "fcr": {"server_seconds": 0.1}}
+
+
+# -- end to end: a real kill, a real resume ------------------------------------------------
+DYNAMIC = """\
+name: resume_test
+seed: 0
+data: {dataset: digits}
+partition: {kind: clusters, clients: 15, clusters: 3, classes_per_cluster: 2, samples_per_client: 40,
+            test_per_client: 16, public_fraction: 0.2}
+model: mlp
+train: {rounds: 6, participation: 0.4, local_epochs: 1, batch_size: 10, lr: 0.05}
+devices: {processes: 1}
+population:
+  profiles: {distribution: {compute: {dist: lognormal, median_ms_per_sample: 20.0, sigma: 0.5}}}
+  deadline_s: 12.0
+  newcomers: [{round: 2, cluster: 2}]
+  drift: [{round: 4, clients: [0, 1], to_cluster: 1}]
+methods:
+  - {name: flt, encoder: {dataset: public, epochs: 5}, newcomers: nearest, recluster_flags: 1}
+  - local
+  - {name: ifca, clusters: 3}
+"""
+
+
+def flt_cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def results_without_timing(run_dir: Path) -> dict:
+    """Every metrics.jsonl line and summary.json, minus the `timing` objects."""
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k != "timing"}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+
+    out = {p.parent.name: [strip(json.loads(line)) for line in p.read_text().splitlines()]
+           for p in sorted(run_dir.glob("*/metrics.jsonl"))}
+    out["summary"] = strip(json.loads((run_dir / "summary.json").read_text()))
+    return out
+
+
+def kill_during(scenario: Path, out: Path, method: str, after_rounds: int, *sets: str) -> None:
+    """Start a run and SIGKILL the server once `method` has recorded `after_rounds` rounds."""
+    proc = subprocess.Popen([sys.executable, "-m", "emulator.cli", "run", str(scenario), *sets, "--out", str(out)],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics, deadline = out / method / "metrics.jsonl", time.monotonic() + 300
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < after_rounds:
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline, "the run never reached the round to kill it at"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("resume")
+    scenario = folder / "dynamic.yaml"
+    scenario.write_text(DYNAMIC)
+    whole = flt_cli("run", str(scenario), "--out", str(folder / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    return scenario, results_without_timing(folder / "whole")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, after_rounds", [("flt", 2), ("local", 4)])
+def test_a_killed_run_resumes_to_exactly_the_uninterrupted_results(uninterrupted, tmp_path, method, after_rounds):
+    """Killed mid-FLT after the arrival, or mid-Local after the drift (FLT finished, IFCA
+    not begun): arrivals and drift replay, Local's device-held models come back, and
+    every record and the summary equal those of an uninterrupted run on 1 process (the
+    killed one used 3)."""
+    scenario, want = uninterrupted
+    killed = tmp_path / "killed"
+    kill_during(scenario, killed, method, after_rounds, "--set", "devices.processes=3")
+    partial = json.loads((killed / "summary.json").read_text())  # rewritten after every round
+    assert partial["methods"][method]["rounds"] >= after_rounds - 1  # the kill may fall just before it
+    assert len(list(killed.glob("*/metrics.jsonl"))) < 3
+
+    res = flt_cli("run", "--resume", str(killed))
+    assert res.returncode == 0, res.stderr
+    assert "(resumed)" in res.stdout and ("finished before the interruption" in res.stdout) == (method == "local")
+    got = results_without_timing(killed)
+    assert set(got) == set(want)
+    for name in want:
+        assert got[name] == want[name], name
+
+
+def test_resume_needs_a_run_folder(tmp_path):
+    res = flt_cli("run", "--resume", str(tmp_path))
+    assert res.returncode == 2 and "config.yaml" in res.stderr and "Traceback" not in res.stderr
