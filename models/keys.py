@@ -60,6 +60,8 @@ def _create(path: Path, text: str, mode: int) -> None:
 def read_key(path: str | Path, secret: bool = False) -> tuple[bytes, bytes | None]:
     """(public, secret) z85 keys from a key file; `secret=True` requires the secret key."""
     path = Path(path)
+    if secret and path.suffix == ".key":
+        raise KeyFileError(f"{path}: a public key file; a device needs its NAME.key_secret")
     try:
         public, secret_key = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:

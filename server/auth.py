@@ -81,6 +81,9 @@ def gate_for(bind: str, security: str = "auto", keys_dir: str | None = None, ext
 
 
 class Gate:
+    """One server socket's admission policy: CURVE keys or tokens, names, seats, counts.
+    `seats`: how many devices the emulator did not start may join (None: any)."""
+
     def __init__(self, curve: bool, server_secret: bytes | None = None,
                  allowed: dict[bytes, str] | None = None, seats: int | None = None):
         self.curve = curve

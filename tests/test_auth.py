@@ -82,8 +82,11 @@ def test_flt_keys_makes_private_key_pairs_and_never_overwrites(key_dir):
     assert keys.make_keys(key_dir, 1) == ["edge-2"]            # adds, keeps the server's pair
     with pytest.raises(keys.KeyFileError, match="already exists"):
         keys.write_keypair(key_dir, "edge-0")
-    with pytest.raises(keys.KeyFileError, match="no secret key"):
+    with pytest.raises(keys.KeyFileError, match="needs its NAME.key_secret"):
         keys.read_key(key_dir / "edge-0.key", secret=True)
+    res = flt("device", "--connect", "tcp://127.0.0.1:1", "--key", str(key_dir / "nope.key_secret"),
+              "--server-key", str(key_dir / "server.key"))
+    assert res.returncode == 2 and "nope.key_secret" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_curve_is_the_default_off_loopback_and_needs_keys_for_external_devices(key_dir):
