@@ -66,6 +66,8 @@ def relate_scenario(cfg: dict, out: str | None = None, method: str | None = None
     m = partition.n_clients
     n_proc = cfg["devices"]["processes"]
     n_proc = min(os.cpu_count() or 1 if n_proc is None else n_proc, m)
+    # as in a run: the server's threads would only spin against the device processes'
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) - n_proc * cfg["devices"]["threads"]))
     d = cfg["devices"]
     transport = Transport(d["bind"], gate_for(d["bind"], d["security"], d["keys"], external=0))  # local only
     fleet = processes.DeviceFleet(transport.endpoint, run_dir / "logs", d["threads"], {},
