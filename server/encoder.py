@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from models.autoencoder import ConvAE
+from server.progress import active, step
 from scenarios.datasets import load_dataset
 from scenarios.schema import ConfigError
 
@@ -53,7 +54,7 @@ def cache_dir() -> Path:
 
 
 def pretrained_autoencoder(images: np.ndarray, settings: dict, device: torch.device,
-                           progress=print) -> tuple[ConvAE, dict]:
+                           progress=None) -> tuple[ConvAE, dict]:
     """Load from cache or pretrain; returns the model (eval mode, CPU) and a report."""
     key = cache_key(images, settings)
     path = cache_dir() / f"convae-{key}.pt"
@@ -77,23 +78,26 @@ def pretrained_autoencoder(images: np.ndarray, settings: dict, device: torch.dev
                        "final_mse": loss}
 
 
-def pretrain(ae: ConvAE, images: np.ndarray, s: dict, device: torch.device, progress=print) -> float:
+def pretrain(ae: ConvAE, images: np.ndarray, s: dict, device: torch.device, progress=None) -> float:
+    progress = progress or active()  # the terminal's bar when the CLI drew one
     torch.manual_seed(s["seed"])
     gen = torch.Generator().manual_seed(s["seed"])
     ae.to(device).train()
     x = torch.from_numpy(images).to(device)
     opt = torch.optim.Adam(ae.parameters(), lr=s["lr"])
-    loss = torch.tensor(0.0)
+    loss = 0.0  # a float: the last batch's loss, detached (no graph kept, no warning)
     for epoch in range(s["epochs"]):
         order = torch.randperm(len(x), generator=gen).to(device)
         total = 0.0
         for lo in range(0, len(x), s["batch_size"]):
             batch = x[order[lo:lo + s["batch_size"]]].float() / 255
-            loss = torch.nn.functional.mse_loss(ae(batch), batch)
+            batch_loss = torch.nn.functional.mse_loss(ae(batch), batch)
             opt.zero_grad()
-            loss.backward()
+            batch_loss.backward()
             opt.step()
-            total += float(loss.detach()) * len(batch)
-        progress(f"  encoder pretraining epoch {epoch + 1}/{s['epochs']}: mse {total / len(x):.4f}")
+            loss = float(batch_loss.detach())
+            total += loss * len(batch)
+        step(progress, epoch + 1, s["epochs"],
+             f"  encoder pretraining epoch {epoch + 1}/{s['epochs']}: mse {total / len(x):.4f}", "epoch")
     ae.cpu().eval()
-    return float(loss)
+    return loss

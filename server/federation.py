@@ -28,6 +28,7 @@ from models.wire import Message
 from server.replies import ShardSizes, centroids_check, metrics_check, update_check
 from server import checkpoint
 from server.checkpoint import restore_vars
+from server.progress import step
 from server.strategies.base import Result, Strategy, Task
 from server.transport import Ledger, Transport
 
@@ -250,7 +251,9 @@ def run_method(strategy: Strategy, fed: Federation, population, rounds: int, eva
             save_checkpoint(out_dir, rnd, setup_s, strategy, fed, population)
             if on_round:
                 on_round(history)
-            progress(_line(record, rounds))
+            # a bar on a terminal, a line every few rounds elsewhere; arrivals, drift and
+            # re-clustering always get their line
+            step(progress, rnd, rounds, _line(record, rounds), "round", force=bool(events))
     return history
 
 
