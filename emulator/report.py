@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +12,13 @@ import numpy as np
 from emulator.population import rounds_to_recover
 from server.federation import split_timing
 from server.transport import Transport
+
+COMMAND: list[str] | None = None  # the flt command's arguments, set by the command line
+
+
+def command_line() -> str:
+    """The command that made a run folder, as a shell would take it."""
+    return shlex.join(["flt", *COMMAND] if COMMAND is not None else sys.argv)
 
 
 def method_summary(spec: dict, history: list[dict], strategy, transport: Transport,
@@ -108,33 +117,58 @@ def _jsonable(x):
 
 def table(summary: dict) -> str:
     head = (f"{'method':<14}{'final acc':>10}{'± s.e.':>8}{'variance':>10}{'best':>8}"
-            f"{'up MB':>10}{'down MB':>10}{'overhead MB':>12}{'vs formula':>11}{'s/round':>9}")
+            f"{'up MB':>10}{'down MB':>10}{'overhead MB':>12}{'vs formula':>11}"
+            f"{'clusters':>9}{'ARI':>6}{'emulated':>10}{'s/round':>9}")
     rows = [head, "-" * len(head)]
     for label, m in summary["methods"].items():
         ratio = m.get("bytes_vs_formula")
+        clusters, ari = clustering(m)
+        emulated = m.get("emulated_s")
         rows.append(
             f"{label:<14}{_f(m['final_accuracy'], 10)}{_f(m['final_se'], 8)}{_f(m['final_variance'], 10)}"
             f"{_f(m['best_accuracy'], 8)}{m['bytes_up'] / 1e6:>10.2f}{m['bytes_down'] / 1e6:>10.2f}"
             f"{sum(m['bytes_overhead'].values()) / 1e6:>12.3f}"
-            f"{(f'{ratio:.4f}' if ratio is not None else '-'):>11}{m['timing']['s_per_round']:>9.2f}")
+            f"{(f'{ratio:.4f}' if ratio is not None else '-'):>11}"
+            f"{(clusters if clusters is not None else '-'):>9}{_f(ari, 6)}"
+            f"{(f'{emulated:.0f} s' if emulated is not None else '-'):>10}{m['timing']['s_per_round']:>9.2f}")
     return "\n".join(rows)
+
+
+def clustering(m: dict) -> tuple[int | None, float | None]:
+    """The clusters a method found and their ARI against the planted ones: FCR's latest
+    (re-)clustering, or the assignment IFCA, FedSEM and CFL ended with; (None, None) for
+    methods that do not cluster."""
+    reports = m.get("fcr_reports")
+    if reports:
+        return reports[-1].get("clusters"), reports[-1].get("ari")
+    if "found_clusters" not in m:
+        return None, None
+    found = {c for c in m["found_clusters"] if c >= 0}
+    return m.get("clusters", len(found)), m.get("ari")
 
 
 def _f(x, width: int) -> str:
     return f"{x:>{width}.2f}" if isinstance(x, (int, float)) and x == x else f"{'-':>{width}}"
 
 
-def plot_convergence(run_dir: Path, summary: dict) -> Path:
-    """Accuracy against rounds and against bytes, one line per method."""
+def read_metrics(run_dir: Path, label: str) -> list[dict]:
+    """A method's records, one per round (metrics.jsonl)."""
+    path = run_dir / label / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def plot_convergence(run_dir: Path, summary: dict, path: Path | None = None) -> Path:
+    """Accuracy against rounds, bytes and emulated time, one line per method
+    (run_dir/convergence.png unless `path`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_r, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_r, ax_b, ax_t) = plt.subplots(1, 3, figsize=(15, 4))
     marked: set[int] = set()
     for label in summary["methods"]:
-        rows_all = [json.loads(line) for line in (run_dir / label / "metrics.jsonl").read_text().splitlines()]
+        rows_all = read_metrics(run_dir, label)
         rows = [r for r in rows_all if "acc_mean" in r]
         acc = np.array([r["acc_mean"] for r in rows])
         se = np.array([r["acc_se"] for r in rows])
@@ -143,6 +177,8 @@ def plot_convergence(run_dir: Path, summary: dict) -> Path:
         ax_r.plot(rnd, acc, label=label)
         ax_r.fill_between(rnd, acc - se, acc + se, alpha=0.2)
         ax_b.plot(mb, acc, label=label)
+        if rows and all("emulated_s" in r for r in rows):
+            ax_t.plot([r["emulated_s"] / 60 for r in rows], acc, label=label)
         for r in rows_all:  # arrivals and drift, the same rounds for every method
             for e in r.get("events", []):
                 if e["kind"] in ("arrival", "drift") and e["round"] not in marked:
@@ -153,11 +189,13 @@ def plot_convergence(run_dir: Path, summary: dict) -> Path:
     ax_r.set(xlabel="round", ylabel="mean client test accuracy (%)", title=summary["scenario"])
     ax_b.set(xlabel="bytes on the wire, up + down (MB)", ylabel="mean client test accuracy (%)")
     ax_b.set_xscale("symlog")
-    for ax in (ax_r, ax_b):
+    ax_t.set(xlabel="emulated time (min)", ylabel="mean client test accuracy (%)")
+    for ax in (ax_r, ax_b, ax_t):
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.lines:
+            ax.legend()
     fig.tight_layout()
-    path = run_dir / "convergence.png"
+    path = path or run_dir / "convergence.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -42,6 +42,7 @@ def make_run_dir(cfg: dict, out: str | None) -> Path:
         run_dir = Path(cfg["output"]) / f"{cfg['name']}-{stamp}"
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump(cfg))
+    (run_dir / "command.txt").write_text(report.command_line() + "\n")  # for `flt report`
     return run_dir
 
 
