@@ -12,7 +12,10 @@ find), times the server functions of server/fcr.py exactly as FLT calls them:
   naive reference         (M = 100 only, unless --naive-max is raised) a Python double
                           loop over all ordered client pairs, scipy cdist per pair; the
                           ratio naive / vectorized is printed and the results compared
-  ward_clusters           Ward on the rows of A~ = [A <= gamma], C = auto
+  paper pipeline          Ward on the rows of A~ = [A <= gamma] of the UMAP points, C at
+                          the largest dendrogram gap (relatedness: paper)
+  default pipeline        symmetric Chamfer distance between the 128-d centroid sets,
+                          average linkage, C by silhouette: no UMAP (relatedness: set)
 
 Run:
     .venv/bin/python benchmarks/bench_fcr.py            # M = 100, 600, 2400
@@ -91,7 +94,9 @@ def main(argv=None) -> int:
 
     from sklearn.metrics import adjusted_rand_score
 
-    from server.fcr import hard_threshold, min_distance_adjacency, umap_project, ward_clusters
+    from dataclasses import replace
+
+    from server.fcr import PRESETS, min_distance_adjacency, relate, umap_project
 
     info = machine_info()
     print(f"machine: {info['cpu_model'] or '?'}; os.cpu_count={info['os_cpu_count']}, "
@@ -123,20 +128,25 @@ def main(argv=None) -> int:
             row["naive_e_s"], _, ref_e = timed(lambda: naive_adjacency(cents), 1)
             row["naive_e_max_abs_diff"] = float(np.abs(ref_e - adj_e).max())
             row["naive_over_vectorized_e"] = row["naive_e_s"] / row["adjacency_e_s"]
-        graph = hard_threshold(adj, args.gamma)
-        row["ward_s"], row["ward_all_s"], (labels, _, c) = timed(
-            lambda: ward_clusters(graph, "auto"), args.reps)
-        row["clusters_found"] = int(c)
-        row["ari_vs_planted"] = float(adjusted_rand_score(truth, labels))
-        row["fcr_server_total_s"] = row["umap_s"] + row["adjacency_u2_s"] + row["ward_s"]
+        paper = replace(PRESETS["paper"], gamma=args.gamma)
+        row["ward_s"], row["ward_all_s"], found = timed(lambda: relate(proj, paper), args.reps)
+        row["clusters_found"] = int(found.n_clusters)
+        row["ari_vs_planted"] = float(adjusted_rand_score(truth, found.labels))
+        row["fcr_server_total_s"] = row["umap_s"] + row["ward_s"]
+        row["default_s"], row["default_all_s"], found = timed(lambda: relate(cents, PRESETS["set"]), args.reps)
+        row["default_clusters_found"] = int(found.n_clusters)
+        row["default_ari_vs_planted"] = float(adjusted_rand_score(truth, found.labels))
         rows.append(row)
-        print(f"    umap {row['umap_s']:.2f} s, adjacency {row['adjacency_u2_s'] * 1e3:.1f} ms, "
-              f"ward {row['ward_s'] * 1e3:.1f} ms, C={c}, ARI={row['ari_vs_planted']:.3f}")
+        print(f"    paper: umap {row['umap_s']:.2f} s, adjacency + Ward {row['ward_s'] * 1e3:.1f} ms, "
+              f"C={found.n_clusters}, ARI={row['ari_vs_planted']:.3f}; default (no UMAP): "
+              f"{row['default_s']:.2f} s, C={row['default_clusters_found']}, "
+              f"ARI={row['default_ari_vs_planted']:.3f}")
 
     print()
     print(f"FCR server side (k={args.k}, e={args.e}); seconds (median of {args.reps} for adjacency and Ward)")
     head = (f"  {'M':>5} {'UMAP':>8} {'adj u=2':>9} {'naive u=2':>10} {'ratio':>8} "
-            f"{'adj e=' + str(args.e):>9} {'naive e':>9} {'ratio':>8} {'Ward':>8} {'total':>8} {'C':>3} {'ARI':>6}")
+            f"{'adj e=' + str(args.e):>9} {'naive e':>9} {'ratio':>8} {'Ward':>8} {'total':>8} {'C':>3} {'ARI':>6}"
+            f" {'default':>8} {'C':>3} {'ARI':>6}")
     print(head)
     for r in rows:
         def f(key, w=8, d=4):
@@ -146,13 +156,15 @@ def main(argv=None) -> int:
         ratio_e = "-".rjust(7) if "naive_over_vectorized_e" not in r else f"{r['naive_over_vectorized_e']:6.0f}x"
         print(f"  {r['M']:>5} {f('umap_s', 8, 2)} {f('adjacency_u2_s', 9)} {f('naive_u2_s', 10)} {ratio_u:>8} "
               f"{f('adjacency_e_s', 9)} {f('naive_e_s', 9)} {ratio_e:>8} {f('ward_s')} "
-              f"{f('fcr_server_total_s', 8, 2)} {r['clusters_found']:>3} {r['ari_vs_planted']:6.3f}")
+              f"{f('fcr_server_total_s', 8, 2)} {r['clusters_found']:>3} {r['ari_vs_planted']:6.3f}"
+              f" {f('default_s', 8, 2)} {r['default_clusters_found']:>3} {r['default_ari_vs_planted']:6.3f}")
     for r in rows:
         if "naive_u2_max_abs_diff" in r:
             print(f"  M={r['M']}: vectorized vs naive max |diff|: u=2 {r['naive_u2_max_abs_diff']:.2e}, "
                   f"e={args.e} {r['naive_e_max_abs_diff']:.2e}")
-    print("  (total = UMAP + adjacency u=2 + Ward; the 38 min of the authors' one-off FCR in DESIGN.md "
-          "section 9 also includes client-side embedding and k-means, not timed here)")
+    print("  (paper total = UMAP + adjacency u=2 + Ward; default = Chamfer in e-dim + average linkage + "
+          "silhouette, the whole server side of FCR's default pipeline; the authors' 38 min one-off FCR "
+          "also included client-side embedding and k-means, not timed here)")
 
     info["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     out = Path(args.out)
