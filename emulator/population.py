@@ -52,6 +52,10 @@ class Population:
         self.target = 0
 
     # -- who ----------------------------------------------------------------------------
+    def newcomers(self) -> np.ndarray:
+        """Every client the schedule withholds until a later round (whether arrived or not)."""
+        return np.concatenate(list(self.schedule.arrivals.values()) or [np.zeros(0, np.int64)]).astype(np.int64)
+
     def candidates(self, rnd: int) -> np.ndarray:
         return np.flatnonzero(self.present)
 

@@ -238,7 +238,7 @@ def run_method(strategy: Strategy, fed: Federation, population, rounds: int, eva
                 e_tic = time.perf_counter()
                 present = np.setdiff1d(population.candidates(rnd), transport.lost_clients())
                 models, rows = strategy.eval_models(present)
-                newcomers = np.setdiff1d(present, population.candidates(0))
+                newcomers = population.newcomers() if hasattr(population, "newcomers") else ()
                 record.update(accuracy_stats(fed.evaluate(rnd, present, models, rows), newcomers))
                 timing["eval_s"] = time.perf_counter() - e_tic
             timing.update(wall_s=time.perf_counter() - tic, setup_s=setup_s)
