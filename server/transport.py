@@ -215,6 +215,7 @@ class Transport:
             self.reject(str(exc), _peer(rid), size, f"hello claiming {claim}")
             return None
         self.routes[name], self.names[rid] = rid, name
+        msg.meta.pop("token", None)  # checked; kept nowhere
         return name
 
     def wait_devices(self, n: int, timeout_s: float) -> list[str]:
