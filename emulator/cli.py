@@ -33,6 +33,22 @@ def main(argv=None) -> int:
     rel.add_argument("--no-umap", action="store_true", help="skip the UMAP figure (numba compiles "
                      "UMAP the first time: seconds to minutes)")
 
+    suite = sub.add_parser("suite", help="run many scenarios one after another, one folder each; "
+                           "run it again to skip the finished ones and resume an interrupted one")
+    suite.add_argument("scenarios", nargs="+", metavar="FILE_OR_DIR",
+                       help="scenario files, or folders of them (*.yaml, in name order)")
+    suite.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a field in every scenario, e.g. --set train.rounds=5 (repeatable)")
+    suite.add_argument("--out", default="runs/suite", help="where the scenario folders go, "
+                       "OUT/<scenario name> (default runs/suite)")
+
+    rep = sub.add_parser("report", help="one self-contained HTML page (and Markdown and CSV tables) "
+                         "from run folders")
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                     help="run folders, or folders of them (a suite's --out)")
+    rep.add_argument("--out", help="folder for report.html, report.md and *.csv "
+                     "(default RUN_DIR/report for one run folder, else ./report)")
+
     dev = sub.add_parser("device", help="run a device process by hand against a server address")
     dev.add_argument("--connect", required=True, help="server address, e.g. tcp://HOST:5555")
     dev.add_argument("--name", help="device id (default host-pid); unique per server")
@@ -47,12 +63,17 @@ def main(argv=None) -> int:
     keys_.add_argument("--prefix", default="edge", help="device names PREFIX-0, PREFIX-1, ... (default edge)")
 
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # recorded in each run folder
     logging.basicConfig(level=logging.WARNING if args.cmd != "device" else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     if args.cmd == "device":
         return _device(args)
     if args.cmd == "keys":
         return guarded(lambda: _keys(args))
+    if args.cmd == "report":
+        return guarded(lambda: _report(args))
+    if args.cmd == "suite":
+        return _suite(args)
     return _run(args)
 
 
@@ -80,6 +101,34 @@ def _keys(args) -> None:
     print("to revoke a device, delete its NAME.key from the folder (the server reads it at start)")
 
 
+def _report(args) -> None:
+    from pathlib import Path
+
+    from emulator.html_report import build
+
+    dirs = [Path(d) for d in args.run_dirs]
+    out = Path(args.out) if args.out else dirs[0] / "report" if len(dirs) == 1 else Path("report")
+    page = build(dirs, out)
+    print(f"{page} (tables: {out / 'report.md'}, {out}/*.csv)")
+
+
+def _suite(args) -> int:
+    """`flt suite`: the exit code of the first scenario that failed, 130 on Ctrl-C."""
+    from pathlib import Path
+
+    from emulator import report, suite
+
+    report.COMMAND = args.argv
+    codes: list[int] = []
+    try:
+        code = guarded(lambda: codes.append(suite.run_suite([Path(p) for p in args.scenarios], args.set,
+                                                            Path(args.out))))
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: run the same command again to resume ({args.out})", file=sys.stderr)
+        return 130
+    return code or (codes[0] if codes else 0)
+
+
 def _scenario_args(p, optional: bool = False):
     p.add_argument("scenario", nargs="?" if optional else None, help="scenario YAML file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -88,9 +137,12 @@ def _scenario_args(p, optional: bool = False):
 
 
 def _run(args) -> int:
-    from emulator import config
+    from emulator import config, report
     from emulator.run import run_scenario
+    from server.progress import Display
 
+    report.COMMAND = args.argv
+    terminal = Display().install()  # bars for rounds and pretraining on a terminal
     if args.cmd == "relate":
         from emulator.relate import relate_scenario
 
@@ -105,10 +157,12 @@ def _run(args) -> int:
         print("error: a scenario file, or --resume RUN_DIR, is needed", file=sys.stderr)
         return 2
     else:
-        action = lambda: run_scenario(config.load(args.scenario, args.set, methods), args.out)  # noqa: E731
+        action = lambda: run_scenario(config.load(args.scenario, args.set, methods), args.out,  # noqa: E731
+                                      progress=terminal)
     try:
         return guarded(action)
     except KeyboardInterrupt:
+        terminal.done()
         print("interrupted: results so far are in the run folder", file=sys.stderr)
         return 130
 
@@ -121,6 +175,7 @@ def _resume(args) -> None:
     from emulator import config
     from emulator.run import run_scenario
     from scenarios.schema import ConfigError
+    from server.progress import active
 
     run_dir = Path(args.resume)
     if args.scenario or args.set or args.out:
@@ -128,7 +183,7 @@ def _resume(args) -> None:
     for name in ("config.yaml", "partition.npz", "public_indices.npy"):
         if not (run_dir / name).is_file():
             raise ConfigError(f"{run_dir}: no {name}; not a run folder that can be resumed")
-    run_scenario(config.load(str(run_dir / "config.yaml"), []), str(run_dir), resume=True)
+    run_scenario(config.load(str(run_dir / "config.yaml"), []), str(run_dir), resume=True, progress=active())
 
 
 def guarded(action) -> int:

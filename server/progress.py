@@ -66,7 +66,7 @@ class Display:
 
     def step(self, i: int, n: int, line: str, unit: str = "step", every: int | None = None,
              force: bool = False) -> None:
-        tail = self.tail(i, n, unit)
+        tail = self.tail(i, n, unit) if i < n else ""  # nothing is left after the last
         if not self.tty:
             if force or i == n or i % (every or every_for(n)) == 0:
                 self(self.decorate(line + tail, unit))
