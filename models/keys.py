@@ -68,7 +68,7 @@ def read_key(path: str | Path, secret: bool = False) -> tuple[bytes, bytes | Non
         raise KeyFileError(f"{path}: not a readable CURVE key file ({exc})") from None
     if not public or len(public) != 40 or (secret and (not secret_key or len(secret_key) != 40)):
         raise KeyFileError(f"{path}: " + ("no secret key in it (use NAME.key_secret)" if secret
-                                       else "no valid public key in it"))
+                                          else "no valid public key in it"))
     return public, secret_key
 
 
@@ -99,7 +99,7 @@ class Credentials:
         if key_file or server_key_file:
             if not (key_file and server_key_file):
                 raise KeyFileError("--key and --server-key go together: this device's NAME.key_secret "
-                                "and the server's server.key")
+                                   "and the server's server.key")
             _, secret = read_key(key_file, secret=True)
             server, _ = read_key(server_key_file)
             return cls(secret=secret, server=server, name=key_name(key_file))
@@ -122,8 +122,8 @@ GIVE_UP_AFTER = 5  # failed handshakes in a row (a wrong server key never succee
 
 
 class HandshakeWatch:
-    """Reads a CURVE client's monitor events, so a device the server refuses can say why
-    and exit instead of retrying for ever."""
+    """Reads a device socket's handshake events, so a device the server refuses can say
+    why and exit instead of retrying for ever."""
 
     def __init__(self, sock: zmq.Socket, curve: bool):
         self.monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)

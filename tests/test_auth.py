@@ -3,7 +3,6 @@
 CURVE keys are real (made by `flt keys`); peers are separate Python processes, either the
 real device program or a few lines of pyzmq playing a stranger."""
 import json
-import os
 import socket
 import stat
 import subprocess
