@@ -139,6 +139,9 @@ def test_newcomers_join_as_a_new_process_get_a_model_and_are_evaluated(dynamic_r
     assert all(r["n_eval"] == 25 for r in rows[9:])               # joined at round 10
     arrival = next(e for e in rows[9]["events"] if e["kind"] == "arrival")
     assert arrival["clients"] == [20, 21, 22, 23, 24] and arrival["placement"] == "recluster"
+    assert "acc_newcomers" not in rows[8] and "acc_newcomers" in rows[9]  # apart from the incumbents
+    first = summary["methods"]["flt"]["changes"][0]
+    assert first["measured_on"] == "incumbents" and "newcomers_accuracy" in first
     newcomers = [n for n in summary["timing"]["device_exit_codes"] if n.startswith("new-")]
     assert len(newcomers) == 1 and summary["timing"]["device_exit_codes"][newcomers[0]] == 0
     assert (out / "logs" / f"{newcomers[0]}.log").exists()
