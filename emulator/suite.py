@@ -131,8 +131,9 @@ class SuiteDisplay(Display):
         if unit != "round":
             return super().tail(i, n, unit)
         pace = (time.monotonic() - self.started) / max(self.ran, 1)  # setup and pretraining included
-        left = pace * (self.total - self.rounds_so_far)
-        return f"  suite {100 * self.rounds_so_far / self.total:.0f}%, ~{duration(left)} left"
+        left = self.total - self.rounds_so_far
+        return f"  suite {100 * self.rounds_so_far / self.total:.0f}%" + (f", ~{duration(pace * left)} left"
+                                                                     if left else "")
 
     def decorate(self, text: str, unit: str) -> str:
         return f"[{self.index + 1}/{len(self.entries)} {self.entries[self.index].name}] {text.lstrip()}"

@@ -66,7 +66,7 @@ class Display:
 
     def step(self, i: int, n: int, line: str, unit: str = "step", every: int | None = None,
              force: bool = False) -> None:
-        tail = self.tail(i, n, unit) if i < n else ""  # nothing is left after the last
+        tail = self.tail(i, n, unit)
         if not self.tty:
             if force or i == n or i % (every or every_for(n)) == 0:
                 self(self.decorate(line + tail, unit))
@@ -84,9 +84,9 @@ class Display:
         return text
 
     def tail(self, i: int, n: int, unit: str) -> str:
-        """What follows a progress line: the time left for these steps."""
+        """What follows a progress line: the time left for these steps (none after the last)."""
         left = self.time_left(i, n, unit)
-        return "" if left is None else f"  ~{duration(left)} left"
+        return "" if left is None or i == n else f"  ~{duration(left)} left"
 
     def time_left(self, i: int, n: int, unit: str) -> float | None:
         """Seconds left for the remaining steps at this run of steps' pace (a new run of
