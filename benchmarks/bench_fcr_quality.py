@@ -114,6 +114,7 @@ def variants():
         "embedding, min, average, silhouette": R(distance="min"),
         "embedding, hausdorff, average, silhouette": R(distance="hausdorff"),
         "embedding, chamfer, average, gap": R(choose="gap"),
+        "embedding, chamfer, average, silhouette without slack": R(silhouette_slack=0.0),
         "embedding, chamfer, complete, silhouette": R(linkage="complete"),
         "set: embedding, chamfer, average, silhouette (default)": fcr.PRESETS["set"],
     }
