@@ -342,6 +342,9 @@ class FakeFederation:
     def _count(self, direction, kind, nbytes):
         self.transport.ledger.bytes[direction][kind] += int(nbytes)
 
+    def state_dict(self, rnd):  # run_method checkpoints every round: no wire state here
+        return {}
+
     def train(self, rnd, tasks, delays=None, timeout_s=None):
         out = {}
         for c, t in tasks.items():
