@@ -148,7 +148,7 @@ def _mb(n) -> str:
 
 
 def _pm(mean, se) -> str:
-    return "-" if mean is None else f"{mean:.2f} ± {_fmt(se)}"
+    return "-" if _fmt(mean) == "-" else f"{mean:.2f} ± {_fmt(se)}"  # None or NaN: no client tested
 
 
 def _secs(s) -> str:
