@@ -25,7 +25,8 @@ from models.wire import Message
 from scenarios import partition as part
 from scenarios.datasets import Dataset, load_dataset
 from scenarios.errors import DeviceError
-from server.federation import Federation, run_method
+from server import checkpoint
+from server.federation import CHECKPOINT, Federation, run_method
 from server.strategies import STRATEGIES
 from server.strategies.base import Context
 from server.auth import gate_for
@@ -183,20 +184,29 @@ def wait_external(transport: Transport, local: list[str], n: int, timeout_s: flo
     return sorted(d for d in transport.devices if d not in local)  # by name, not arrival
 
 
-def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
+def run_scenario(cfg: dict, out: str | None = None, progress=print, resume: bool = False) -> Path:
+    """Run `cfg` into a new run folder, or (`resume`) continue the killed run in folder
+    `out`: finished methods are kept, the interrupted one continues after its last
+    checkpointed round, on the folder's own partition."""
     data = cfg["data"]
     progress(f"data: {data['dataset']}" + (f" from {_abs(data['root'])}" if data["root"] else ""))
     train, test = load_data(cfg)
-    public = hold_out_public(cfg, len(train.y))
-    partition = build_partition(cfg, train, test, public)
+    if resume:
+        run_dir = Path(out)
+        public = np.load(run_dir / "public_indices.npy")
+        partition = part.Partition.load(run_dir / "partition.npz")
+    else:
+        public = hold_out_public(cfg, len(train.y))
+        partition = build_partition(cfg, train, test, public)
     # checked against the partition before any folder or process exists
     schedule = schedule_from(cfg, partition.cluster, train.num_classes)
     profiles = assign_profiles(cfg["population"]["profiles"], partition.n_clients, cfg["seed"])
     load_encoder_sources(cfg)
-    run_dir = make_run_dir(cfg, out)
+    if not resume:
+        run_dir = make_run_dir(cfg, out)
+        partition.save(run_dir / "partition.npz")
+        np.save(run_dir / "public_indices.npy", public)
     progress(f"run folder: {run_dir}")
-    partition.save(run_dir / "partition.npz")
-    np.save(run_dir / "public_indices.npy", public)
     for note in partition.notes:
         progress(f"partition: {note}")
     init, model_spec = initial_weights(cfg, train)
@@ -210,8 +220,8 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
     fleet = processes.DeviceFleet(transport.endpoint, run_dir / "logs", cfg["devices"]["threads"],
                                   cfg["devices"]["crash"], enroll=transport.gate.enroll)
     transport.alive = fleet.alive
-    summary: dict = {"scenario": cfg["name"], "run_dir": str(run_dir), "methods": {},
-                     "partition_notes": partition.notes}
+    summary = report.finished_methods(run_dir, cfg) if resume else \
+        {"scenario": cfg["name"], "methods": {}, "partition_notes": partition.notes}
     try:
         fleet.start(n_proc)
         devices = fleet.wait(transport, cfg["devices"]["start_timeout_s"])
@@ -231,11 +241,17 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
         fed = Federation(transport, cfg["train"], cfg["seed"], cfg["devices"]["round_timeout_s"], ctx.device,
                          shard_sizes=lambda c: (len(partition.train[c]), len(partition.test[c])))
         dynamics = Dynamics(transport, fleet, partition, meta, ctx, cfg, progress)
-        for spec in cfg["methods"]:
+        for i, spec in enumerate(cfg["methods"]):
+            if spec["label"] in summary["methods"]:
+                progress(f"== {spec['label']} == finished before the interruption: kept")
+                continue
+            dynamics.method = i  # newcomer process names, as in an uninterrupted run
             population = make_population(cfg, ctx, schedule, profiles, dynamics)
+            again = resume and (run_dir / spec["label"] / CHECKPOINT).exists()
+            if resume and not again and i > 0:  # starts afresh after a method finished before
+                fed.carry_over(checkpoint.load(run_dir / cfg["methods"][i - 1]["label"] / CHECKPOINT)["federation"])
             try:
-                summary["methods"][spec["label"]] = run_one(spec, ctx, fed, transport, population, cfg,
-                                                            run_dir, progress)
+                run_one(spec, ctx, fed, transport, population, cfg, run_dir, progress, summary, again)
             finally:
                 dynamics.undo()
             report.write_summary(run_dir, summary)
@@ -244,7 +260,8 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print) -> Path:
     finally:
         transport.close()
         fleet.stop()
-        summary["device_exit_codes"] = fleet.exit_codes()
+        # what differs from one execution to the next, apart from the results
+        summary["timing"] = {"run_dir": str(run_dir), "device_exit_codes": fleet.exit_codes()}
         summary["rejected"] = transport.rejections.summary()  # the whole run's, start-up included
         summary["security"] = transport.gate.report()
         report.write_summary(run_dir, summary)
@@ -261,16 +278,24 @@ def make_population(cfg: dict, ctx: Context, schedule, profiles, dynamics: Dynam
 
 
 def run_one(spec: dict, ctx: Context, fed: Federation, transport: Transport, population: Population,
-            cfg: dict, run_dir: Path, progress) -> dict:
-    transport.ledger.reset()
+            cfg: dict, run_dir: Path, progress, summary: dict, resume: bool = False) -> None:
+    """One method; its entry in `summary`, and summary.json, are rewritten after every round."""
+    # one reset per device process: housekeeping, not the method's traffic (and billing it
+    # would make the bytes depend on how many processes there are)
     transport.broadcast(Message("reset", tensors={"init": ctx.init.numpy()}))
+    transport.ledger.reset()
     ctx.run_dir = run_dir / spec["label"]
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     strategy = STRATEGIES[spec["name"]](ctx, **spec["params"])
-    progress(f"== {spec['label']} ==")
-    history = run_method(strategy, fed, population, cfg["train"]["rounds"], cfg["train"]["eval_every"],
-                         ctx.run_dir, progress)
-    return report.method_summary(spec, history, strategy, transport, ctx.init.numel() * 4, cfg)
+    progress(f"== {spec['label']} ==" + (" (resumed)" if resume else ""))
+
+    def record(history: list[dict]) -> None:
+        summary["methods"][spec["label"]] = report.method_summary(spec, history, strategy, transport,
+                                                                  ctx.init.numel() * 4, cfg)
+        report.write_summary(run_dir, summary)
+
+    run_method(strategy, fed, population, cfg["train"]["rounds"], cfg["train"]["eval_every"],
+               ctx.run_dir, progress, on_round=record, resume=resume)
 
 
 def _abs(root: str | None) -> str | None:
