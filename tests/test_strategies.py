@@ -297,16 +297,19 @@ def test_pca_km_hc_relate_finds_planted_groups(tmp_path):
     m = 12
     truth = np.repeat(np.arange(3), 4)
     ctx = make_ctx(tmp_path, m=m, truth=truth)
-    s = PCAKMHC(ctx, gamma_quantile=0.25)
     rng = np.random.default_rng(0)
     centres = 20 * rng.normal(size=(3, 16))
     points = [centres[t] + rng.normal(size=(5, 16)) for t in truth]
-    s.centroids = dict(enumerate(points))
-    s.relate(np.arange(m))
-    assert s.summary()["fcr"]["ari"] == pytest.approx(1.0)
-    assert s.gamma_used == pytest.approx(gamma_from_quantile(
+    default = PCAKMHC(ctx)  # FLT's threshold-free relatedness, in PCA space
+    default.centroids = dict(enumerate(points))
+    assert default.relate(np.arange(m))["ari"] == pytest.approx(1.0)
+    assert default.gamma_used is None
+    paper = PCAKMHC(ctx, relatedness="paper", gamma_quantile=0.25)  # closest pair, quantile gamma, Ward
+    paper.centroids = dict(enumerate(points))
+    assert paper.relate(np.arange(m))["ari"] == pytest.approx(1.0)
+    assert paper.gamma_used == pytest.approx(gamma_from_quantile(
         __import__("server.fcr", fromlist=["x"]).min_distance_adjacency(points), 0.25))
-    assert s.params["gamma"] is None  # the resolved value does not overwrite the setting
+    assert paper.params["gamma"] is None  # the resolved value does not overwrite the setting
 
 
 # -- the round loop of server/federation.py with an in-process stand-in for the devices ----
