@@ -635,6 +635,8 @@ def _load_femnist(root: Path | None, train: bool, download: bool) -> Dataset:
         lookup = {u: i for i, u in enumerate(all_users)}
         arrays = {"group_names": np.array(all_users, dtype=str)}
         for part, (xs, ys, users) in parsed.items():
+            if not xs:
+                raise DataError(f"dataset 'femnist' at {root}: its {part}/ LEAF files hold no samples")
             x = np.concatenate(xs)
             # LEAF stores ink dark on a white (1.0) page; invert to MNIST/EMNIST's bright ink,
             # so encoders and models see one convention across handwriting datasets

@@ -367,7 +367,7 @@ def test_no_root_and_unknown_name():
 # ----------------------------------------------------------------------------- finding the image folder
 
 
-def write_leaf(base: Path) -> None:
+def write_empty_leaf(base: Path) -> None:
     """A FEMNIST-like folder: train/ and test/ of JSON files, no class folders."""
     for split in ("train", "test"):
         (base / split).mkdir(parents=True)
@@ -376,14 +376,14 @@ def write_leaf(base: Path) -> None:
 
 def test_imagefolder_in_a_folder_of_datasets_skips_trees_without_class_images(tmp_path):
     # the shared data layout: FEMNIST's train/ and test/ sit beside the image tree
-    write_leaf(tmp_path / "data" / "femnist")
+    write_empty_leaf(tmp_path / "data" / "femnist")
     write_tree(tmp_path / "data" / "cifar10-jpg", ext=".png")
     tr = load_dataset("cifar10_jpg", tmp_path / "data", train=True)
     check_tree_dataset(tr, load_dataset("cifar10_jpg", tmp_path / "data", train=False))
 
 
 def test_imagefolder_with_no_or_several_candidates_names_what_it_found(tmp_path):
-    write_leaf(tmp_path / "data" / "femnist")
+    write_empty_leaf(tmp_path / "data" / "femnist")
     with pytest.raises(DataError) as exc:
         load_dataset("cifar10_jpg", tmp_path / "data", train=True)
     msg = str(exc.value)
@@ -432,7 +432,10 @@ def test_truncated_tarball_and_broken_leaf_json_are_data_errors(tmp_path):
         load_dataset("imagefolder", tar, train=True)
 
     leaf = tmp_path / "leaf"
-    write_leaf(leaf)
+    write_empty_leaf(leaf)
     (leaf / "train" / "all.json").write_text('{"users": ["a"], "user_data": {"a": {"x": [[0.1')
     with pytest.raises(DataError, match=r"all.json: not LEAF JSON"):
         load_dataset("femnist", leaf, train=True)
+    write_empty_leaf(tmp_path / "empty")
+    with pytest.raises(DataError, match="no samples"):
+        load_dataset("femnist", tmp_path / "empty", train=True)

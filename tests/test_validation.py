@@ -238,9 +238,9 @@ def test_compare_methods_accepts_labels_as_well_as_names():
     s1 = REPO / "scenarios" / "s1_mnist.yaml"
     labels = lambda names: [m["label"] for m in config.load(s1, [], names)["methods"]]  # noqa: E731
     assert labels(["fedavg", "flt_enc1"]) == ["fedavg", "flt_enc1"]
-    assert labels(["flt"]) == ["flt_enc1", "flt_enc2"]
+    assert labels(["flt"]) == ["flt_enc1", "flt_enc2", "flt_paper"]
     assert labels(["cfl_tuned", "ifca"]) == ["cfl_tuned", "ifca"]
-    assert labels(["flt", "flt_enc1"]) == ["flt_enc1", "flt_enc2"]  # each entry once
+    assert labels(["flt", "flt_enc1"]) == ["flt_enc1", "flt_enc2", "flt_paper"]  # each entry once
     with pytest.raises(ConfigError, match=r"unknown method or label 'flt_enc3'; methods: .*fedavg.*"
                                           r"labels in this scenario: .*flt_enc1, flt_enc2"):
         config.load(s1, [], ["flt_enc3"])
