@@ -98,7 +98,7 @@ RELATEDNESS = {
     "gamma": Field(float, None, "threshold A~ = [A <= gamma], in the units of A (null: the pipeline's: "
                    "none for 'set', whose graph is 'same cluster'; 1.0 for 'paper')",
                    nullable=True, min=0, open_min=True),
-    "min_silhouette": Field(float, 0.25, "with choose_clusters silhouette: below this best score the "
+    "min_silhouette": Field(float, 0.35, "with choose_clusters silhouette: below this best score the "
                             "clients form one cluster (no structure)", min=-1.0, max=1.0),
     "silhouette_slack": Field(float, 0.02, "with choose_clusters silhouette: the finest cut whose score "
                               "is within this of the best wins (merging two clusters costs more than "
