@@ -124,7 +124,7 @@ class FLT(Strategy):
                            "embedding, or re-run FCR over everyone", choices=("nearest", "recluster")),
         "recluster_flags": Field(int, None, "lambda: re-run FCR when more than this many clients have an "
                                  "outstanding data-change flag (null: never)", nullable=True, min=0),
-        "flag_patience": Field(int, 10, "with lambda set: a flag outstanding this many rounds re-runs FCR "
+        "flag_patience": Field(int, 2, "with lambda set: a flag outstanding this many rounds re-runs FCR "
                                "even below lambda, so no drifted client is stranded", min=1),
         "recluster_every": Field(int, None, "tau: re-run FCR every tau rounds, everyone re-embedding "
                                  "(null: never)", nullable=True, min=1),
