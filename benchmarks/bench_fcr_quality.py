@@ -101,6 +101,8 @@ SUITE = [
            root=str(DATA / "femnist"), public_fraction=0.1) for c in (3, 5, 10)],
     Case("mnist-dirichlet-a0.1", "mnist", {"kind": "dirichlet", "clients": 100, "alpha": 0.1,
          "samples_per_client": 500}, ENC_FEMNIST, note="no planted clusters"),
+    Case("mnist-dirichlet-a1", "mnist", {"kind": "dirichlet", "clients": 100, "alpha": 1.0,
+         "samples_per_client": 500}, ENC_FEMNIST, note="no planted clusters"),
     Case("mnist-iid-a100", "mnist", {"kind": "dirichlet", "clients": 100, "alpha": 100.0,
          "samples_per_client": 500}, ENC_FEMNIST, note="no structure: one cluster is right"),
     Case("femnist-writers", "femnist", {"kind": "writers", "clients": 105}, ENC_PUBLIC,
