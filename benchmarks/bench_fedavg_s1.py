@@ -1,6 +1,6 @@
 """FedAvg on the S1-MNIST layout: the emulator against a one-process reference.
 
-Measures, in one run (DESIGN.md section 9, "Speed to beat"):
+Measures, in one run (against reference figures measured on a 2-core machine):
 
   (a) the emulator: scenarios/s1_mnist.yaml, method fedavg, through the real
       `emulator.run.run_scenario` (server socket + device processes), evaluation only at
@@ -52,8 +52,8 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters  # noqa: E
 # torch's own choice, captured before anything below changes it
 from machine import TORCH_DEFAULT_THREADS, machine_info  # noqa: E402
 
-# DESIGN.md section 9, seconds per round, 2-core machine
-DESIGN_FIGURES = {
+# reference figures, S1-MNIST FedAvg, seconds per round, 2-core machine
+REFERENCE_FIGURES = {
     "plain per-client loop (1 process)": 1.31,
     "two worker processes": 0.98,
     "Flower 1.42 simulation": 1.86,
@@ -291,7 +291,7 @@ def main(argv=None) -> int:
           f"{TORCH_DEFAULT_THREADS}), device={info['device']}, loadavg={info['loadavg_start']}")
     print(f"data: {data_root}; scenario: {args.scenario}; rounds={args.rounds}")
     results: dict = {"benchmark": "fedavg_s1", "machine": info, "args": vars(args),
-                     "design_reference_s_per_round": DESIGN_FIGURES}
+                     "reference_s_per_round": REFERENCE_FIGURES}
     work = Path(tempfile.mkdtemp(prefix="flt-bench-s1-"))
     emu: dict = {}
     try:
@@ -349,7 +349,7 @@ def main(argv=None) -> int:
         ratios[f"reference_{k}_over_emulator"] = ratio(r["median_round_s"], emu_s)
     for k, t in tr.items():
         ratios[f"trainer_{k}_loop_over_vmap"] = t["loop_over_vmap"]
-    for name, fig in DESIGN_FIGURES.items():
+    for name, fig in REFERENCE_FIGURES.items():
         ratios[f"design[{name}]_over_emulator"] = ratio(fig, emu_s)
     if "eval_every_round" in emu:
         e = emu["eval_every_round"]["median_round_with_eval_s"]
@@ -374,8 +374,8 @@ def main(argv=None) -> int:
             what = f"(c) CohortTrainer {t['clients']}x{t['samples']} {mode}, {t['threads']} thread(s)"
             rat = f"{fmt(t['loop_over_vmap'], 'x')}x  (loop / vmap)" if mode == "loop" else ""
             print(f"  {what:58s} {fmt(t[mode]['median_s'])} {rat}")
-    print("  DESIGN.md section 9 figures (2-core machine), for context:")
-    for name, fig in DESIGN_FIGURES.items():
+    print("  reference figures (2-core machine), for context:")
+    for name, fig in REFERENCE_FIGURES.items():
         print(f"  {'    ' + name:58s} {fmt(fig)} {fmt(ratio(fig, emu_s), 'x')}x  (figure / emulator)")
     for e in emu.values():
         if e["note"]:

@@ -1,6 +1,6 @@
 """Emulated time: task durations on device profiles, round closing, the emulated clock.
 
-FedScale's model is the reference (DESIGN.md section 7):
+FedScale's model is the reference:
 
 * compute time  = 3 * batch_size * steps * ms_per_sample / 1000  (the 3 = forward +
   backward, ms_per_sample being the inference latency per sample);

@@ -84,7 +84,9 @@ class Strategy:
         return {}
 
     def expected_bytes(self, selections: int, model_bytes: int) -> dict | None:
-        """The paper's analytical payload figure (DESIGN.md section 6), with rho*M*T taken
+        """The paper's analytical payload figure (its communication-complexity table:
+        FLT M*W_enc + k*M*e + 2*rho*M*W_local*T, FedSEM 2*rho*M*W_local*T, IFCA
+        rho*M*W_local*T*(C+1)), with rho*M*T taken
         as the number of client selections actually made over the run."""
         return None
 
