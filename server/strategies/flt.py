@@ -368,8 +368,10 @@ class FLT(Strategy):
         if stray:  # an embedding that came late: place it now rather than train it on nothing
             self._place_nearest(stray)
         host = self.models.cpu()
-        fallback = self._global_model().cpu()
-        return {int(c): Task((host[self.row(c)] if self.row(c) >= 0 else fallback)[None]) for c in selected}
+        rows = {int(c): self.row(c) for c in selected}
+        # the global model is an M x P product in Case I: only for a round that needs it
+        fallback = self._global_model().cpu() if min(rows.values(), default=0) < 0 else None
+        return {c: Task((host[r] if r >= 0 else fallback)[None]) for c, r in rows.items()}
 
     def observe(self, rnd, results: dict[int, Result]) -> None:
         for c, r in results.items():
@@ -423,6 +425,8 @@ class FLT(Strategy):
         """Cluster (or personal) models, plus the global model as the last row for clients
         without a cluster."""
         rows = np.array([self.row(c) for c in clients], dtype=np.int64)
+        if (rows >= 0).all():  # the usual case: no copy of every model with one more row
+            return self.models.cpu(), rows
         models = torch.cat([self.models, self._global_model()[None]]).cpu()
         rows[rows < 0] = len(models) - 1
         return models, rows
