@@ -67,6 +67,7 @@ class Device:
         self.pending: dict[int, list[Message]] = {}  # batch id -> messages of an incomplete cohort
         self.datasets: dict[tuple, tuple] = {}
         self.trainer: CohortTrainer | None = None
+        self.accel = torch.device("cpu")  # where cohorts train: set by the run's assign
         self.rejected = 0
         self.crash_at_round = crash_at_round  # fault injection: die mid-round, as a real device can
 
@@ -121,6 +122,7 @@ class Device:
     # -- set-up ---------------------------------------------------------------------
     def on_assign(self, msg: Message) -> None:
         spec, t = msg.meta, msg.tensors
+        self.accel = accelerator(spec.get("accelerator", "cpu"), self.name)
         root = self.data_root or spec["dataset"].get("root")
         train = self._dataset(spec["dataset"]["name"], root, True, spec["dataset"].get("download", False))
         test = self._dataset(spec["dataset"]["name"], root, False, spec["dataset"].get("download", False))
@@ -129,15 +131,16 @@ class Device:
             self.shards[int(cid)] = _shard(train, test, tr, te)
         m = spec["model"]
         model = build_model(m["name"], tuple(m["in_shape"]), m["num_classes"])
-        self.trainer = CohortTrainer(model, param_spec(model))
-        log.info("%s: hosting %d clients", self.name, len(self.shards))
+        self.trainer = CohortTrainer(model.to(self.accel), param_spec(model))
+        log.info("%s: hosting %d clients on %s", self.name, len(self.shards), self.accel)
         self.send(Message("ready", meta={"clients": [int(c) for c in t["clients"]]}))
 
     def _dataset(self, name, root, train, download):
         key = (name, root, train)
         if key not in self.datasets:
             ds = load_dataset(name, root, train=train, download=download)
-            self.datasets[key] = (torch.from_numpy(ds.x), torch.from_numpy(ds.y))
+            # uint8 on the accelerator once; shards are gathered there, never copied per task
+            self.datasets[key] = (torch.from_numpy(ds.x).to(self.accel), torch.from_numpy(ds.y).to(self.accel))
         return self.datasets[key]
 
     def on_reset(self, msg: Message) -> None:
@@ -251,11 +254,11 @@ class Device:
         choice = [0] * len(batch)
         if any(len(c) > 1 for c in candidates):  # IFCA: pick the candidate with lowest loss
             choice = self._choose(candidates, xs, ys)
-        start = torch.stack([c[k] for c, k in zip(candidates, choice)])
+        start = torch.stack([c[k] for c, k in zip(candidates, choice)]).to(self.accel)
         m0 = batch[0].meta
         cfg = TrainConfig(epochs=m0["epochs"], batch_size=m0["batch_size"], lr=m0["lr"],
                           prox_mu=m0.get("prox_mu", 0.0), vectorize=m0.get("vectorize", True))
-        trained, losses = self.trainer.train(start, xs, ys, cfg, gens)
+        trained, losses = (t.cpu() for t in self.trainer.train(start, xs, ys, cfg, gens))
         replies = []
         for i, m in enumerate(batch):
             meta = {"batch": m.meta["batch"], "n": len(xs[i]), "loss": float(losses[i]),
@@ -276,11 +279,12 @@ class Device:
         one vectorized pass when the whole cohort got the same candidates (IFCA's case)."""
         first = candidates[0]
         if all(c.shape == first.shape and torch.equal(c, first) for c in candidates[1:]):
-            return self.trainer.losses_of(first, xs, ys).argmin(1).tolist()
-        return [int(self.trainer.losses_of(c, [x], [y]).argmin()) for c, x, y in zip(candidates, xs, ys)]
+            return self.trainer.losses_of(first.to(self.accel), xs, ys).argmin(1).tolist()
+        return [int(self.trainer.losses_of(c.to(self.accel), [x], [y]).argmin())
+                for c, x, y in zip(candidates, xs, ys)]
 
     def evaluate(self, batch: list[Message]) -> list[Message]:
-        models = torch.stack([c[0] for c in self._start_models(batch)])
+        models = torch.stack([c[0] for c in self._start_models(batch)]).to(self.accel)
         shards = [self.shards[m.client] for m in batch]
         correct, total, loss = self.trainer.evaluate(models, [s.x_test for s in shards],
                                                      [s.y_test for s in shards])
@@ -292,6 +296,8 @@ class Device:
     def encode_fcr(self, batch: list[Message]) -> list[Message]:
         meta, t = batch[0].meta, batch[0].tensors
         xs = [self.shards[m.client].x for m in batch]
+        if meta["format"] != "autoencoder":  # onnxruntime and numpy read host memory
+            xs = [x.cpu() for x in xs]
         if meta["format"] == "onnx":
             embs = embedding.embed_onnx(t["onnx"], xs)
         elif meta["format"] == "linear":
@@ -305,6 +311,18 @@ class Device:
             out.append(Message("centroids", m.round, m.client, tensors={"centroids": c},
                                meta={"batch": m.meta["batch"], "n": len(e)}))
         return out
+
+
+def accelerator(choice: str, name: str) -> torch.device:
+    """The torch device for `devices.accelerator`: auto takes this host's GPU when it has one."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if choice not in ("cuda", "auto"):
+        raise ValueError(f"devices.accelerator must be cpu, cuda or auto, not {choice!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"devices.accelerator is cuda, but device {name} has no CUDA GPU "
+                           f"(torch {torch.__version__}, CUDA build: {torch.version.cuda})")
+    return torch.device("cuda")
 
 
 def client_generator(seed: int, client: int) -> torch.Generator:
@@ -324,7 +342,8 @@ def _split(t: dict, name: str) -> list[np.ndarray]:
 
 def _shard(train, test, tr_idx, te_idx) -> Shard:
     (x, y), (xt, yt) = train, test
-    tr, te = torch.as_tensor(np.asarray(tr_idx)), torch.as_tensor(np.asarray(te_idx))
+    tr = torch.as_tensor(np.asarray(tr_idx), device=x.device)
+    te = torch.as_tensor(np.asarray(te_idx), device=xt.device)
     return Shard(x[tr].float().div_(255), y[tr].long(), xt[te].float().div_(255), yt[te].long())
 
 

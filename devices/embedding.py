@@ -41,20 +41,22 @@ def embed_finetuned(weights: np.ndarray, meta: dict, xs: list[torch.Tensor],
                     gens: list[torch.Generator]) -> list[np.ndarray]:
     """Each client fine-tunes its own copy of the autoencoder (vectorized), then embeds;
     gens[i] is client i's own generator (its batch order)."""
-    ae = ConvAE(tuple(meta["in_shape"]), meta["latent"])
+    dev = xs[0].device  # the device's accelerator: its shards live there
+    ae = ConvAE(tuple(meta["in_shape"]), meta["latent"]).to(dev)
     spec = param_spec(ae)
     ft = meta["finetune"]
     cfg = TrainConfig(epochs=ft["epochs"], batch_size=ft["batch_size"], lr=ft["lr"],
                       loss="mse", optimizer="adam")
-    start = torch.from_numpy(np.array(weights, dtype=np.float32)).expand(len(xs), -1)
-    tuned, _ = CohortTrainer(ae, spec).train(start, xs, [torch.zeros(len(x)) for x in xs], cfg, gens)
+    start = torch.from_numpy(np.array(weights, dtype=np.float32)).to(dev).expand(len(xs), -1)
+    tuned, _ = CohortTrainer(ae, spec).train(start, xs, [torch.zeros(len(x), device=dev) for x in xs], cfg, gens)
     ae.eval()  # no dropout/BN in the ConvAE, but embed in eval mode regardless
-    offsets = np.cumsum((0,) + spec.numel)
+    offsets = np.cumsum((0, *spec.numel))
     enc = {n[len("encoder."):]: tuned[:, offsets[i]:offsets[i + 1]].view(len(xs), *spec.shapes[i])
            for i, n in enumerate(spec.names) if n.startswith("encoder.")}
     xpad, lengths = _pad(xs)
     with torch.no_grad():
         z = vmap(lambda p, x: functional_call(ae.encoder, p, (x,)))(enc, xpad)
+    z = z.cpu()
     return [z[i, : int(n)].numpy() for i, n in enumerate(lengths)]
 
 

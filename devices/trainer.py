@@ -164,15 +164,18 @@ class CohortTrainer:
         params, anchor = unflatten(flat, self.spec), unflatten(start.float(), self.spec)
         xpad, lengths = _pad(xs)
         ypad, _ = _pad(ys)
-        rows = torch.arange(len(xs))[:, None]
+        dev = xpad.device  # the cohort's data decides: CPU, or the GPU it was moved to
+        rows = torch.arange(len(xs), device=dev)[:, None]
         # "error": any random op left in the model would draw from a generator the whole
         # cohort shares, and make a client's result depend on its cohort
         step = vmap(grad(self._loss_fn(cfg), has_aux=True), randomness="error")
         opt = _StackedOptimizer(flat, cfg)
-        total, count = torch.zeros(len(xs)), torch.zeros(len(xs))
+        total, count = torch.zeros(len(xs), device=dev), torch.zeros(len(xs), device=dev)
         for _ in range(cfg.epochs):
-            order, weight = epoch_batches(lengths, cfg.batch_size, gens)
-            noise = self._epoch_noise(lengths, order.shape[1], cfg.batch_size, gens, xs[0])
+            # drawn on the CPU from each client's generator, so a GPU run draws the same
+            order, weight = (t.to(dev) for t in epoch_batches(lengths, cfg.batch_size, gens))
+            noise = {k: v.to(dev) for k, v in
+                     self._epoch_noise(lengths, order.shape[1], cfg.batch_size, gens, xs[0]).items()}
             self.model.train()
             for s in range(order.shape[1]):
                 idx, w = order[:, s], weight[:, s]
@@ -188,7 +191,7 @@ class CohortTrainer:
         """Reference: one client at a time, torch.optim, same batches and dropout masks
         as the vmap path."""
         out, losses = start.clone().float(), torch.zeros(len(xs))
-        lengths = torch.tensor([len(x) for x in xs])
+        lengths, dev = torch.tensor([len(x) for x in xs]), xs[0].device
         orders = []
         for _ in range(cfg.epochs):  # the same draws, in the same order, as _train_vmap
             order, weight = epoch_batches(lengths, cfg.batch_size, gens)
@@ -208,15 +211,15 @@ class CohortTrainer:
                     n = int(weight[i, s].sum())
                     if n == 0:
                         continue
-                    idx = order[i, s, :n]
+                    idx = order[i, s, :n].to(dev)
                     opt.zero_grad()
-                    value, _ = loss_fn(params, anchor, x[idx], y[idx], torch.ones(n),
-                                       {k: v[i, s, :n] for k, v in noise.items()})
+                    value, _ = loss_fn(params, anchor, x[idx], y[idx], torch.ones(n, device=dev),
+                                       {k: v[i, s, :n].to(dev) for k, v in noise.items()})
                     value.backward()
                     opt.step()
-                    seen, acc = seen + 1, acc + float(value.detach())
+                    seen, acc = seen + 1, acc + value.detach()  # no GPU sync per step
             out[i] = torch.cat([params[k].detach().reshape(-1) for k in self.spec.names])
-            losses[i] = acc / max(seen, 1)
+            losses[i] = float(acc) / max(seen, 1)
         return out, losses
 
     # -- evaluation -----------------------------------------------------------------
@@ -228,8 +231,8 @@ class CohortTrainer:
         ypad, _ = _pad(ys)
         params = unflatten(stacked.float(), self.spec)
         fwd = vmap(lambda p, x: functional_call(self.model, p, (x,)))
-        correct = torch.zeros(len(xs))
-        loss = torch.zeros(len(xs))
+        correct = torch.zeros(len(xs), device=xpad.device)
+        loss = torch.zeros(len(xs), device=xpad.device)
         for lo in range(0, xpad.shape[1], chunk):  # chunks bound memory on big test shards
             x, y = xpad[:, lo:lo + chunk], ypad[:, lo:lo + chunk]
             logits = fwd(params, x)
@@ -240,7 +243,7 @@ class CohortTrainer:
             for i, n in enumerate((lengths - lo).clamp(0, x.shape[1]).tolist()):
                 correct[i] += hit[i, :n].sum()
                 loss[i] += ce[i, :n].sum()
-        return correct, lengths.float(), loss / lengths.clamp(min=1)
+        return correct.cpu(), lengths.float(), loss.cpu() / lengths.clamp(min=1)
 
     @torch.no_grad()
     def losses_of(self, candidates: torch.Tensor, xs, ys) -> torch.Tensor:

@@ -60,6 +60,9 @@ DEVICES = {
                       "that the run waits for", min=0),
     "bind": Field(str, "tcp://127.0.0.1:*", "server address; tcp://0.0.0.0:5555 accepts other hosts"),
     "threads": Field(int, 1, "torch threads per device process", min=1),
+    "accelerator": Field(str, "auto", "where device processes train and evaluate their cohorts: cpu, "
+                         "cuda (fail where a device host has no GPU), or auto (its GPU when it has one)",
+                         choices=("cpu", "cuda", "auto")),
     "round_timeout_s": Field(float, 120.0, "a round's replies are awaited this long", min=0, open_min=True),
     "start_timeout_s": Field(float, 120.0, "devices must connect within this", min=0, open_min=True),
     "crash": Field(dict, {}, "fault injection: {device index: round} kills that device process "

@@ -18,16 +18,24 @@ import numpy as np
 import torch
 
 from emulator import processes, report
-from emulator.run import (assign_clients, build_partition, hold_out_public, initial_weights,
-                          load_data, make_run_dir, _abs, aggregation_device)
+from emulator.run import (
+    aggregation_device,
+    assign_clients,
+    assign_meta,
+    build_partition,
+    hold_out_public,
+    initial_weights,
+    load_data,
+    make_run_dir,
+)
 from scenarios.schema import ConfigError
 from server import fcr
+from server.auth import gate_for
 from server.fcr_report import scatter
 from server.federation import Federation
 from server.strategies import STRATEGIES
 from server.strategies.base import Context
 from server.strategies.flt import FLT
-from server.auth import gate_for
 from server.transport import Transport
 
 
@@ -77,8 +85,7 @@ def relate_scenario(cfg: dict, out: str | None = None, method: str | None = None
     try:
         fleet.start(n_proc)
         devices = fleet.wait(transport, cfg["devices"]["start_timeout_s"])
-        meta = {"dataset": {"name": cfg["data"]["dataset"], "root": _abs(cfg["data"]["root"]),
-                            "download": cfg["data"]["download"]}, "model": model_spec}
+        meta = assign_meta(cfg, model_spec)
         assign_clients(transport, partition, devices, meta, cfg["devices"]["start_timeout_s"], np.arange(m))
         ctx = Context(init=init, n_clients=m, n_train=np.array([len(t) for t in partition.train]),
                       device=aggregation_device(), seed=cfg["seed"], run_dir=run_dir / spec["label"],

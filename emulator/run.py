@@ -7,7 +7,6 @@ participation draws, and writes the results as they come: config.yaml, partition
 """
 from __future__ import annotations
 
-import logging
 import os
 import time
 from datetime import datetime
@@ -26,13 +25,11 @@ from scenarios import partition as part
 from scenarios.datasets import Dataset, load_dataset
 from scenarios.errors import DeviceError
 from server import checkpoint
+from server.auth import gate_for
 from server.federation import CHECKPOINT, Federation, run_method
 from server.strategies import STRATEGIES
 from server.strategies.base import Context
-from server.auth import gate_for
 from server.transport import Transport
-
-log = logging.getLogger("flt.emulator")
 
 
 def make_run_dir(cfg: dict, out: str | None) -> Path:
@@ -93,11 +90,18 @@ def aggregation_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def assign_meta(cfg: dict, model_spec: dict) -> dict:
+    """What every device needs to host its clients: where the data is, the model, where to train."""
+    return {"dataset": {"name": cfg["data"]["dataset"], "root": _abs(cfg["data"]["root"]),
+                        "download": cfg["data"]["download"]},
+            "model": model_spec, "accelerator": cfg["devices"]["accelerator"]}
+
+
 def assign_clients(transport: Transport, partition: part.Partition, devices: list[str], meta: dict,
                    timeout_s: float, clients: np.ndarray) -> None:
     """Give each device a contiguous block of `clients`: their shard indices, never data."""
     blocks = np.array_split(np.asarray(clients, dtype=np.int64), len(devices))
-    for device, block in zip(devices, blocks):
+    for device, block in zip(devices, blocks, strict=True):
         tensors = {"clients": block.astype(np.int64)}
         for name, shards in (("train", partition.train), ("test", partition.test)):
             chosen = [shards[c] for c in block]
@@ -227,8 +231,7 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print, resume: bool
         devices = fleet.wait(transport, cfg["devices"]["start_timeout_s"])
         devices += wait_external(transport, devices, cfg["devices"]["external"],
                                  cfg["devices"]["start_timeout_s"], progress)
-        meta = {"dataset": {"name": cfg["data"]["dataset"], "root": _abs(cfg["data"]["root"]),
-                            "download": cfg["data"]["download"]}, "model": model_spec}
+        meta = assign_meta(cfg, model_spec)
         late = np.concatenate(list(schedule.arrivals.values())) if schedule.arrivals else np.zeros(0, np.int64)
         first = np.setdiff1d(np.arange(partition.n_clients), late)
         assign_clients(transport, partition, devices, meta, cfg["devices"]["start_timeout_s"], first)

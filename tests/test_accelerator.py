@@ -1,0 +1,67 @@
+"""devices.accelerator: device processes train on a GPU when asked and able, and say so
+clearly when asked and unable. The CUDA tests run where torch sees a GPU and skip elsewhere."""
+import json
+
+import pytest
+import torch
+
+from devices.device import accelerator, client_generator
+from devices.trainer import CohortTrainer, TrainConfig
+from models.flat import flatten, param_spec
+from models.nets import build_model
+from test_end_to_end import QUICKSTART, flt  # tests/ is on sys.path under pytest
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+
+
+def test_auto_takes_the_cpu_on_a_host_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert accelerator("auto", "dev-0") == torch.device("cpu")
+    assert accelerator("cpu", "dev-0") == torch.device("cpu")
+    with pytest.raises(RuntimeError, match="dev-0 has no CUDA GPU"):
+        accelerator("cuda", "dev-0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: cuda is valid here")
+def test_asking_for_cuda_without_a_gpu_fails_naming_the_device(tmp_path):
+    res = flt("run", str(QUICKSTART), "--set", "methods=[fedavg]", "--set", "train.rounds=1",
+              "--set", "devices.processes=2", "--set", "devices.accelerator=cuda", "--out", str(tmp_path))
+    assert res.returncode != 0
+    assert "devices.accelerator is cuda" in res.stderr and "dev-0" in res.stderr
+
+
+def _cohort(device: str, sizes=(23, 40, 7)):
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.rand(n, 1, 28, 28, generator=g).to(device) for n in sizes]
+    ys = [torch.randint(0, 10, (n,), generator=g).to(device) for n in sizes]
+    return xs, ys
+
+
+@cuda
+@pytest.mark.parametrize("cfg", [TrainConfig(epochs=2, lr=0.05), TrainConfig(epochs=2, lr=0.01, prox_mu=0.1),
+                                 TrainConfig(epochs=1, lr=0.001, optimizer="adam"),
+                                 TrainConfig(epochs=2, lr=0.05, vectorize=False)])
+def test_a_gpu_cohort_trains_as_the_cpu_does(cfg):
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 28, 28), 10)
+    init = flatten(model)
+    results = {}
+    for dev in ("cpu", "cuda"):
+        trainer = CohortTrainer(build_model("mlp", (1, 28, 28), 10).to(dev), param_spec(model))
+        gens = [client_generator(5, c) for c in range(3)]
+        trained, loss = trainer.train(init.to(dev).expand(3, -1), *_cohort(dev), cfg, gens)
+        assert trained.device.type == dev
+        results[dev] = trained.cpu(), loss.cpu()
+    # same batches and dropout masks (drawn on the CPU); only float rounding differs
+    assert torch.allclose(results["cpu"][0], results["cuda"][0], atol=1e-4)
+    assert torch.allclose(results["cpu"][1], results["cuda"][1], atol=1e-4)
+
+
+@cuda
+def test_a_run_on_the_gpu_learns_and_says_where_it_trained(tmp_path):
+    res = flt("run", str(QUICKSTART), "--set", "methods=[fedavg,flt]", "--set", "train.rounds=4",
+              "--set", "devices.processes=2", "--set", "devices.accelerator=cuda", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr + res.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["methods"]["flt"]["final_accuracy"] > 50.0
+    assert "on cuda" in (tmp_path / "logs" / "dev-0.log").read_text()
