@@ -31,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,7 +40,6 @@ if str(REPO) not in sys.path:
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
 from machine import TORCH_DEFAULT_THREADS, machine_info  # noqa: E402
 
 
@@ -92,9 +92,9 @@ def main(argv=None) -> int:
     sizes = [100] if args.quick else [int(s) for s in args.sizes.split(",") if s.strip()]
     torch.set_num_threads(args.threads)
 
-    from sklearn.metrics import adjusted_rand_score
-
     from dataclasses import replace
+
+    from sklearn.metrics import adjusted_rand_score
 
     from server.fcr import PRESETS, min_distance_adjacency, relate, umap_project
 
@@ -119,21 +119,21 @@ def main(argv=None) -> int:
         tic = time.perf_counter()
         proj = umap_project(cents, seed=args.seed)
         row["umap_s"] = time.perf_counter() - tic
-        row["adjacency_u2_s"], row["adjacency_u2_all_s"], adj = timed(lambda: min_distance_adjacency(proj), args.reps)
-        row["adjacency_e_s"], row["adjacency_e_all_s"], adj_e = timed(lambda: min_distance_adjacency(cents), args.reps)
+        row["adjacency_u2_s"], row["adjacency_u2_all_s"], adj = timed(partial(min_distance_adjacency, proj), args.reps)
+        row["adjacency_e_s"], row["adjacency_e_all_s"], adj_e = timed(partial(min_distance_adjacency, cents), args.reps)
         if m <= args.naive_max:
-            row["naive_u2_s"], _, ref = timed(lambda: naive_adjacency(proj), 1)
+            row["naive_u2_s"], _, ref = timed(partial(naive_adjacency, proj), 1)
             row["naive_u2_max_abs_diff"] = float(np.abs(ref - adj).max())
             row["naive_over_vectorized_u2"] = row["naive_u2_s"] / row["adjacency_u2_s"]
-            row["naive_e_s"], _, ref_e = timed(lambda: naive_adjacency(cents), 1)
+            row["naive_e_s"], _, ref_e = timed(partial(naive_adjacency, cents), 1)
             row["naive_e_max_abs_diff"] = float(np.abs(ref_e - adj_e).max())
             row["naive_over_vectorized_e"] = row["naive_e_s"] / row["adjacency_e_s"]
         paper = replace(PRESETS["paper"], gamma=args.gamma)
-        row["ward_s"], row["ward_all_s"], found = timed(lambda: relate(proj, paper), args.reps)
+        row["ward_s"], row["ward_all_s"], found = timed(partial(relate, proj, paper), args.reps)
         row["clusters_found"] = int(found.n_clusters)
         row["ari_vs_planted"] = float(adjusted_rand_score(truth, found.labels))
         row["fcr_server_total_s"] = row["umap_s"] + row["ward_s"]
-        row["default_s"], row["default_all_s"], found = timed(lambda: relate(cents, PRESETS["set"]), args.reps)
+        row["default_s"], row["default_all_s"], found = timed(partial(relate, cents, PRESETS["set"]), args.reps)
         row["default_clusters_found"] = int(found.n_clusters)
         row["default_ari_vs_planted"] = float(adjusted_rand_score(truth, found.labels))
         rows.append(row)
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
             f" {'default':>8} {'C':>3} {'ARI':>6}")
     print(head)
     for r in rows:
-        def f(key, w=8, d=4):
+        def f(key, w=8, d=4, r=r):  # r bound now, not looked up later
             v = r.get(key)
             return "-".rjust(w) if v is None else f"{v:{w}.{d}f}"
         ratio_u = "-".rjust(7) if "naive_over_vectorized_u2" not in r else f"{r['naive_over_vectorized_u2']:6.0f}x"

@@ -36,7 +36,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,11 +44,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
+from machine import machine_info  # noqa: E402
 from sklearn.linear_model import LogisticRegression  # noqa: E402
 from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score  # noqa: E402
 from sklearn.model_selection import GroupKFold  # noqa: E402
-
-from machine import machine_info  # noqa: E402
 
 DATA = Path(os.environ.get("FLT_DATA", REPO.parent / "shared" / "data")).resolve()
 CACHE = REPO / "benchmarks" / ".cache" / "fcr_quality"
@@ -283,7 +282,8 @@ def table(rows) -> str:
         probe = "-" if r["probe"] is None else f"{r['probe']:.2f}"
         knn = "-" if r["knn"] is None else f"{r['knn']:.2f}"
         lines.append(f"{r['case']:<28}{r['seed']:>5}{knn:>6}{probe:>7}" + "".join(f"{c:>12}" for c in cells))
-    lines += ["", f"{'worst case over separable cases (knn >= 0.9)':<40}{'worst ARI':>10}{'mean ARI':>10}{'right C':>9}"]
+    lines += ["", f"{'worst case over separable cases (knn >= 0.9)':<40}"
+                  f"{'worst ARI':>10}{'mean ARI':>10}{'right C':>9}"]
     for n, w in worst_case(rows).items():
         wa = "-" if w["worst_ari_separable"] is None else f"{w['worst_ari_separable']:.3f}"
         ma = "-" if w["mean_ari_separable"] is None else f"{w['mean_ari_separable']:.3f}"

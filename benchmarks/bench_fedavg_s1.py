@@ -47,10 +47,10 @@ if str(REPO) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.nn.utils import parameters_to_vector, vector_to_parameters  # noqa: E402
 
 # torch's own choice, captured before anything below changes it
 from machine import TORCH_DEFAULT_THREADS, machine_info  # noqa: E402
+from torch.nn.utils import parameters_to_vector, vector_to_parameters  # noqa: E402
 
 # reference figures, S1-MNIST FedAvg, seconds per round, 2-core machine
 REFERENCE_FIGURES = {
@@ -166,7 +166,7 @@ def load_shards(args, data_root: Path, run_dir: Path | None):
     x, y = torch.from_numpy(train.x), torch.from_numpy(train.y)
     xt, yt = torch.from_numpy(test.x), torch.from_numpy(test.y)
     shards = []
-    for tr, te in zip(partition.train, partition.test):  # as devices/device.py::_shard does
+    for tr, te in zip(partition.train, partition.test, strict=True):  # as devices/device.py::_shard does
         tr, te = torch.from_numpy(tr), torch.from_numpy(te)
         shards.append((x[tr].float().div_(255), y[tr].long(), xt[te].float().div_(255), yt[te].long()))
     return cfg, shards, init, spec, source
@@ -365,11 +365,11 @@ def main(argv=None) -> int:
         what = f"(a) emulator, {args.processes} device procs, {label}"
         s = e["median_round_with_eval_s"] if label == "eval_every_round" else e["median_round_s"]
         print(f"  {what:58s} {fmt(s)} {'':9s}{extra}")
-    for k, r in ref.items():
+    for r in ref.values():
         what = f"(b) one-process per-client loop, {r['threads']} thread(s)"
         print(f"  {what:58s} {fmt(r['median_round_s'])} {fmt(ratio(r['median_round_s'], emu_s), 'x')}x"
               "  (reference / emulator)")
-    for k, t in tr.items():
+    for t in tr.values():
         for mode in ("vmap", "loop"):
             what = f"(c) CohortTrainer {t['clients']}x{t['samples']} {mode}, {t['threads']} thread(s)"
             rat = f"{fmt(t['loop_over_vmap'], 'x')}x  (loop / vmap)" if mode == "loop" else ""

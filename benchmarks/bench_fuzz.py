@@ -45,7 +45,8 @@ def one_run(mode: str, out: Path, rounds: int) -> dict:
     peer = None
     if mode == "fuzz":
         peer = subprocess.Popen([sys.executable, str(REPO / "tests" / "fuzz_peer.py"), f"tcp://127.0.0.1:{port}",
-                                 str(out / "fuzz_report.json"), "--after", str(out / "run" / "fedavg" / "metrics.jsonl")])
+                                 str(out / "fuzz_report.json"),
+                                 "--after", str(out / "run" / "fedavg" / "metrics.jsonl")])
     run_scenario(cfg, str(out / "run"), progress=lambda line: None)
     if peer is not None and peer.wait(timeout=120) != 0:
         raise SystemExit("fuzz peer failed")

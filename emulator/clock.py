@@ -24,15 +24,15 @@ import numpy as np
 
 __all__ = [
     "AUGMENTATION_FACTOR",
-    "compute_seconds",
-    "transfer_seconds",
-    "TaskTimes",
-    "task_times",
-    "task_seconds",
-    "RoundOutcome",
-    "close_round",
     "EmulatedClock",
+    "RoundOutcome",
+    "TaskTimes",
+    "close_round",
+    "compute_seconds",
     "overcommit_count",
+    "task_seconds",
+    "task_times",
+    "transfer_seconds",
 ]
 
 AUGMENTATION_FACTOR = 3.0  # FedScale: backward pass ~2x forward

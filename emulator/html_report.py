@@ -23,7 +23,8 @@ import yaml
 from emulator import report
 from scenarios.schema import ConfigError
 
-EVENT_DETAIL = ("cause", "placement", "to_cluster", "clusters", "ari", "nmi", "fcr_bytes")  # the rest is in summary.json
+# the rest is in summary.json
+EVENT_DETAIL = ("cause", "placement", "to_cluster", "clusters", "ari", "nmi", "fcr_bytes")
 FCR_FIGURES = ("adjacency", "dendrogram", "centroids", "umap")  # as FCR writes them, in this order
 
 
@@ -199,7 +200,8 @@ def html_table(head: list[str], body: list[list[str]]) -> str:
     esc = html.escape
     rows = "".join("<tr>" + "".join(f"<td{'' if NUMBER.match(str(c)) else ' class=t'}>{esc(str(c))}</td>"
                                     for c in r) + "</tr>\n" for r in body)
-    return f"<div class=scroll><table><thead><tr>{''.join(f'<th>{esc(h)}</th>' for h in head)}</tr></thead>\n<tbody>{rows}</tbody></table></div>"
+    heads = "".join(f"<th>{esc(h)}</th>" for h in head)
+    return f"<div class=scroll><table><thead><tr>{heads}</tr></thead>\n<tbody>{rows}</tbody></table></div>"
 
 
 NUMBER = re.compile(r"^[-+]?[0-9.]+( ± [0-9.]+)?( \(\d+\))?( s| min)?$|^-$")  # right-aligned
@@ -226,7 +228,8 @@ h3{margin-top:1.6em}table{border-collapse:collapse;margin:.6em 0 1.2em;font-size
 th,td{border:1px solid #d0d0d5;padding:.3em .6em;text-align:right;white-space:nowrap}
 th{background:#f2f2f6;white-space:normal}td.t{text-align:left}.scroll{overflow-x:auto}td:nth-child(-n+2),th:nth-child(-n+2){text-align:left}
 tbody tr:nth-child(even){background:#fafafc}img{max-width:100%;border:1px solid #eee;margin:.3em 0}
-.figs{display:flex;flex-wrap:wrap;gap:1em;align-items:flex-start}.figs figure{margin:0;max-width:48%}.figs figure.wide{max-width:100%}
+.figs{display:flex;flex-wrap:wrap;gap:1em;align-items:flex-start}.figs figure{margin:0;max-width:48%}
+.figs figure.wide{max-width:100%}
 figcaption{font-size:.85em;color:#555}pre{background:#f6f6f8;padding:.8em;overflow:auto;font-size:.85em}
 .note{color:#666;font-size:.9em}
 """

@@ -15,8 +15,8 @@
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -120,7 +120,7 @@ class Population:
         steps = np.ceil(self.n_train[clients] / self.batch_size) * self.epochs
         secs = task_seconds(self.profiles, clients, batch_size=self.batch_size, steps=steps,
                             bytes_down=down, bytes_up=up)
-        return {int(c): float(t) * self.realtime for c, t in zip(clients, secs)}
+        return {int(c): float(t) * self.realtime for c, t in zip(clients, secs, strict=True)}
 
     def timeout(self, default_s: float) -> float:
         """The real wait for a round's replies: the scaled deadline in real-time mode."""
@@ -225,7 +225,7 @@ def schedule_from(cfg: dict, truth: np.ndarray, num_classes: int | None = None) 
         if len(partners) < len(movers):
             raise ConfigError(f"{where}: cluster {ev['to_cluster']} has {len(partners)} clients free to "
                               f"swap with (present from the start, not drifting), {len(movers)} needed")
-        pairs = list(zip(movers, partners[-len(movers):]))
+        pairs = list(zip(movers, partners[-len(movers):], strict=True))
         used.update(p for _, p in pairs)
         changes += [{"kind": "move", "client": int(a), "partner": int(b)} for a, b in pairs]
     return sched

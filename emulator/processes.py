@@ -5,8 +5,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from scenarios.errors import DeviceError
 from server.transport import Transport
@@ -36,12 +36,13 @@ class DeviceFleet:
                "--threads", str(self.threads), "--parent-pid", str(os.getpid())]
         if crash_at_round is not None:
             cmd += ["--crash-at-round", str(crash_at_round)]
-        logf = open(self.log_dir / f"{name}.log", "w")
         # secrets by environment (same user only), never on the command line (`ps` shows it)
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), **self.enroll(name)}
-        # own process group: Ctrl-C reaches the emulator, which shuts devices down in order
-        return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        # the child keeps its own copy of the log's descriptor; ours closes when the block ends
+        with open(self.log_dir / f"{name}.log", "w") as logf:
+            # own process group: Ctrl-C reaches the emulator, which shuts devices down in order
+            return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
 
     def alive(self, name: str) -> bool:
         proc = self.procs.get(name)

@@ -112,12 +112,12 @@ import numpy as np
 from scenarios.errors import FltError, short
 
 __all__ = [
-    "Profiles",
-    "ProfileError",
-    "profiles_from_distribution",
-    "load_trace",
-    "import_fedscale",
     "DEFAULT_SPEC",
+    "ProfileError",
+    "Profiles",
+    "import_fedscale",
+    "load_trace",
+    "profiles_from_distribution",
 ]
 
 KBPS_TO_BYTES = 1000.0 / 8.0  # 1 kbit/s = 125 bytes/s
@@ -252,7 +252,7 @@ def _period_array(period_s, m):
         try:
             p = float(period_s)
         except (TypeError, ValueError):
-            raise ProfileError(f"Profiles.period_s: expected a number or None, got {period_s!r}")
+            raise ProfileError(f"Profiles.period_s: expected a number or None, got {period_s!r}") from None
         if not (p > 0 and math.isfinite(p)):
             raise ProfileError(f"Profiles.period_s: must be > 0 and finite, got {period_s!r}")
         return p, np.full(m, p)
@@ -412,7 +412,7 @@ class Profiles:
         until[where] = u
         return until
 
-    def take(self, clients) -> "Profiles":
+    def take(self, clients) -> Profiles:
         """Subset (or repeat: ``p.take(np.arange(n) % len(p))``) in the given order."""
         c = self._clients(clients)
         idx, _, lens = _gather_index(self._offsets, c)
@@ -711,7 +711,7 @@ def _load_csv(path, text):
             raise ProfileError(
                 f"{path} line {lineno}: expected {len(header)} fields, got {len(fields)}"
             )
-        rec = dict(zip(header, fields))
+        rec = dict(zip(header, fields, strict=True))
         where = f"{path} line {lineno}"
         cid = _client_id(rec["client"], f"{where}, field 'client'")
         where = f"{path} line {lineno} (client {cid})"
@@ -735,6 +735,14 @@ def _load_csv(path, text):
     if header is None:
         raise ProfileError(f"{path}: no header line (expected {','.join(_COLUMNS)})")
     return _assemble_rows(path, rows, period)
+
+
+def _json_number(rec: dict, key: str, where: str, allow_zero: bool = False) -> float:
+    """Field `key` of a JSON client record, checked to be a real number (JSON true is not 1)."""
+    v = rec[key]
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise ProfileError(f"{where}, field {key!r}: expected a number, got {v!r}")
+    return _field_value(v, f"{where}, field {key!r}", allow_zero=allow_zero)
 
 
 def _load_json(path, text):
@@ -765,15 +773,8 @@ def _load_json(path, text):
                 raise ProfileError(f"{where}: missing field {k!r}")
         cid = _client_id(rec["client"], f"{where}, field 'client'")
         where = f"{path}: clients[{i}] (client {cid})"
-
-        def num(k, allow_zero=False):
-            v = rec[k]
-            if isinstance(v, bool) or not isinstance(v, numbers.Real):
-                raise ProfileError(f"{where}, field {k!r}: expected a number, got {v!r}")
-            return _field_value(v, f"{where}, field {k!r}", allow_zero=allow_zero)
-
-        ms, up, down = num("ms_per_sample"), num("up_kbps"), num("down_kbps")
-        lat = num("latency_ms", allow_zero=True)
+        ms, up, down = (_json_number(rec, k, where) for k in ("ms_per_sample", "up_kbps", "down_kbps"))
+        lat = _json_number(rec, "latency_ms", where, allow_zero=True)
         raw_w = rec.get("windows") or []
         if not isinstance(raw_w, list):
             raise ProfileError(f"{where}, field 'windows': expected a list of [start, end] pairs")
@@ -887,10 +888,8 @@ def import_fedscale(capacity_path, behave_path=None, *, kbit_bits: float = 1000.
     if not isinstance(beh, dict) or not beh:
         raise ProfileError(f"{behave_path}: expected a non-empty dict {{client_id: {{...}}}}")
     bkeys = _sorted_keys(beh, behave_path)
-    if all(k in beh for k in keys):
-        chosen = keys
-    else:  # FedScale cycles its traces over clients
-        chosen = [bkeys[i % len(bkeys)] for i in range(m)]
+    # FedScale cycles its traces over clients when they are not keyed by the same ids
+    chosen = keys if all(k in beh for k in keys) else [bkeys[i % len(bkeys)] for i in range(m)]
 
     parsed = {}  # trace key -> (starts, ends, period); a trace may serve several clients
     for k in set(chosen):
@@ -910,7 +909,7 @@ def import_fedscale(capacity_path, behave_path=None, *, kbit_bits: float = 1000.
                 if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x):
                     raise ProfileError(f"{where}, field {field!r}[{j}]: expected a number, got {x!r}")
         if len(ina) == len(act) - 1:
-            ina = list(ina) + [period]  # last active span runs to the end of the trace
+            ina = [*ina, period]  # last active span runs to the end of the trace
         elif len(ina) != len(act):
             raise ProfileError(
                 f"{where}: 'active' has {len(act)} entries but 'inactive' has {len(ina)}"

@@ -97,8 +97,8 @@ def first_difference(a, b, path: str = "") -> str | None:
                 return diff
         return None
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := first_difference(x, y, f"{path}[{i}]"))),
-                    None)
+        diffs = (first_difference(x, y, f"{path}[{i}]") for i, (x, y) in enumerate(zip(a, b, strict=True)))
+        return next((d for d in diffs if d), None)
     return None if a == b else f"{path}: now {str(a)[:60]}, was {str(b)[:60]}"
 
 
@@ -148,7 +148,7 @@ def run_suite(paths: list[Path], overrides: list[str], out: Path, display: Displ
     states = [state(e) for e in entries]  # every folder checked before anything runs
     display = display or SuiteDisplay(entries).install()  # the encoder's bar goes through it too
     outcome, code = [], 0
-    for i, (entry, st) in enumerate(zip(entries, states)):
+    for i, (entry, st) in enumerate(zip(entries, states, strict=True)):
         head = f"== scenario {i + 1} of {len(entries)}: {entry.name} ({entry.file}) -> {entry.folder}"
         if st == "finished":
             display(f"{head}: finished before, skipped")

@@ -55,7 +55,7 @@ def unflatten(vec: torch.Tensor, spec: ParamSpec) -> dict[str, torch.Tensor]:
     batch = tuple(vec.shape[:-1])
     out: dict[str, torch.Tensor] = {}
     off = 0
-    for name, shape, n in zip(spec.names, spec.shapes, spec.numel):
+    for name, shape, n in zip(spec.names, spec.shapes, spec.numel, strict=True):
         # Slicing the last dim keeps each row contiguous, so .view always succeeds.
         out[name] = vec[..., off:off + n].view(*batch, *shape)
         off += n

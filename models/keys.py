@@ -92,7 +92,7 @@ class Credentials:
 
     @classmethod
     def load(cls, key_file: str | None = None, server_key_file: str | None = None,
-             env: dict | None = None) -> "Credentials":
+             env: dict | None = None) -> Credentials:
         """From `--key`/`--server-key` files, else from the environment the emulator set
         (removed from it, so nothing this process starts inherits a secret)."""
         env = os.environ if env is None else env

@@ -86,7 +86,7 @@ def encode(msg: Message) -> list:
         frames.append(memoryview(arr).cast("B") if arr.size else b"")
     header = {"v": VERSION, "kind": msg.kind, "run": msg.run, "round": int(msg.round),
               "client": int(msg.client), "tensors": specs, "meta": msg.meta}
-    return [json.dumps(header, separators=(",", ":")).encode()] + frames
+    return [json.dumps(header, separators=(",", ":")).encode(), *frames]
 
 
 def decode(frames: list) -> Message:
@@ -115,7 +115,7 @@ def decode(frames: list) -> Message:
     if len(specs) != len(frames) - 1:
         raise ProtocolError(f"header lists {len(specs)} tensors but {len(frames) - 1} frames came")
     tensors, total = {}, raw_len
-    for spec, frame in zip(specs, frames[1:]):
+    for spec, frame in zip(specs, frames[1:], strict=True):
         name, arr = _tensor(spec, frame)
         if name in tensors:
             raise ProtocolError(f"tensor {_short(name)} appears twice")

@@ -56,11 +56,11 @@ from scenarios.errors import FltError, short
 
 __all__ = [
     "DATASETS",
-    "DataError",
-    "dataset_key",
-    "Dataset",
     "EMNIST_SPLITS",
+    "DataError",
+    "Dataset",
     "cache_dir",
+    "dataset_key",
     "load_dataset",
     "read_idx",
 ]
@@ -117,7 +117,7 @@ def cache_dir() -> Path:
 
 
 def _key(*parts: object) -> str:
-    h = hashlib.sha256(repr((_CACHE_VERSION,) + parts).encode())
+    h = hashlib.sha256(repr((_CACHE_VERSION, *parts)).encode())
     return h.hexdigest()[:20]
 
 
@@ -455,7 +455,8 @@ def _tar_members(tar_path: Path) -> dict[str, list[tuple[str, str, str, bytes]]]
             if m.isdir():
                 continue
             if not m.isfile():
-                raise DataError(f"{tar_path}: refusing non-regular member {m.name!r} (links and devices are not allowed)")
+                raise DataError(f"{tar_path}: refusing non-regular member {m.name!r} "
+                                "(links and devices are not allowed)")
             hit = _split_member(name)
             if hit is not None:
                 prefix, split, cls, fname = hit
@@ -543,7 +544,7 @@ def _decode_images(items: list[tuple[str, bytes]]) -> np.ndarray:
                     [torch.frombuffer(bytearray(items[i][1]), dtype=torch.uint8) for i in chunk],
                     mode=ImageReadMode.RGB,
                 )
-                for i, t in zip(chunk, dec):
+                for i, t in zip(chunk, dec, strict=True):
                     out[i] = t.numpy()
     except Exception:  # old torchvision without batched decode, odd JPEGs: PIL below
         pass

@@ -89,8 +89,8 @@ class Partition:
             same_groups
             and np.array_equal(self.cluster, other.cluster)
             and self.notes == other.notes
-            and all(np.array_equal(a, b) for a, b in zip(self.train, other.train))
-            and all(np.array_equal(a, b) for a, b in zip(self.test, other.test))
+            and all(np.array_equal(a, b) for a, b in zip(self.train, other.train, strict=True))
+            and all(np.array_equal(a, b) for a, b in zip(self.test, other.test, strict=True))
         )
 
     def save(self, path: str | os.PathLike) -> None:
@@ -114,7 +114,7 @@ class Partition:
         save_npz_atomic(path, **arrays)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Partition":
+    def load(cls, path: str | os.PathLike) -> Partition:
         with np.load(path, allow_pickle=False) as z:
             version = int(z["version"])
             if version != _FORMAT_VERSION:
@@ -143,7 +143,8 @@ def _split(flat: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
 # ----------------------------------------------------------------------------- class layouts
 
 
-def cluster_classes(n_clusters: int, classes_per_cluster: int, num_classes: int, shared_classes: int) -> list[list[int]]:
+def cluster_classes(n_clusters: int, classes_per_cluster: int, num_classes: int,
+                    shared_classes: int) -> list[list[int]]:
     """Classes of each cluster: cluster c holds ``(c*step + j) % num_classes`` for
     ``j < classes_per_cluster``, with ``step = classes_per_cluster - shared_classes``.
 
@@ -153,7 +154,8 @@ def cluster_classes(n_clusters: int, classes_per_cluster: int, num_classes: int,
     """
     k = classes_per_cluster
     if n_clusters < 1 or k < 1 or num_classes < 1:
-        raise PartitionError(f"need n_clusters, classes_per_cluster, num_classes >= 1 (got {n_clusters}, {k}, {num_classes})")
+        raise PartitionError("need n_clusters, classes_per_cluster, num_classes >= 1 "
+                             f"(got {n_clusters}, {k}, {num_classes})")
     if shared_classes >= k:
         raise PartitionError(f"shared_classes={shared_classes} must be < classes_per_cluster={k}")
     if k > num_classes:  # before building any list: a huge k must not allocate
@@ -261,7 +263,8 @@ def _take(y: np.ndarray, need: np.ndarray, rng: np.random.Generator, mask_out: n
     return owners, idx, given, notes
 
 
-def _assemble(owners: list[np.ndarray], idx: list[np.ndarray], n_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
+def _assemble(owners: list[np.ndarray], idx: list[np.ndarray], n_clients: int,
+              rng: np.random.Generator) -> list[np.ndarray]:
     """Group (owner, index) pairs into one array per client, in random order inside it."""
     if not owners:
         return [np.zeros(0, np.int64) for _ in range(n_clients)]
@@ -297,7 +300,7 @@ def _test_shards(y_test, train_counts, test_per_client, rng):
     counts = np.zeros((n_clients, kt), np.int64)
     counts[:, :k] = train_counts
     need = _proportional(counts, np.full(n_clients, int(test_per_client)))
-    owners, idx, given, notes = _take(y_test, need, rng, np.zeros(len(y_test), bool), "test")
+    owners, idx, _, notes = _take(y_test, need, rng, np.zeros(len(y_test), bool), "test")
     notes = [f"test {n}" for n in notes]
     return _assemble(owners, idx, n_clients, rng), notes
 
@@ -528,7 +531,7 @@ def partition_structured(
         if not holders:
             continue
         pool = rng.permutation(np.flatnonzero((y_train == c) & ~mask))
-        for cl, piece in zip(holders, np.array_split(pool, len(holders))):
+        for cl, piece in zip(holders, np.array_split(pool, len(holders)), strict=True):
             pools[cl].append(piece)
 
     # Step 3: quantity-skewed cuts inside each cluster.
@@ -543,7 +546,7 @@ def partition_structured(
                 f"cluster {cl}: {len(pool)} samples over {len(members)} clients leaves some empty "
                 f"(alpha={alpha}, delta={delta}); use alpha >= 1 or fewer clients"
             )
-        for m, piece in zip(members, np.split(pool, np.cumsum(sizes)[:-1])):
+        for m, piece in zip(members, np.split(pool, np.cumsum(sizes)[:-1]), strict=True):
             train[m] = piece.astype(np.int64)
         notes.append(
             f"cluster {cl}: classes {layout[cl]}, {len(pool)} samples over {len(members)} clients, "
@@ -582,7 +585,7 @@ def partition_groups(groups_train, groups_test, *, n_clients: int | None = None,
         srt = np.argsort(g, kind="stable")
         lo = np.searchsorted(g[srt], chosen, side="left")
         hi = np.searchsorted(g[srt], chosen, side="right")
-        return [srt[a:b].astype(np.int64) for a, b in zip(lo, hi)]
+        return [srt[a:b].astype(np.int64) for a, b in zip(lo, hi, strict=True)]
 
     return Partition(
         train=shards(g_tr), test=shards(g_te), cluster=np.full(len(chosen), -1), notes=[], groups=chosen

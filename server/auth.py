@@ -68,7 +68,7 @@ def security_problem(bind: str, security: str, keys_dir: str | None, external: i
     return None
 
 
-def gate_for(bind: str, security: str = "auto", keys_dir: str | None = None, external: int = 0) -> "Gate":
+def gate_for(bind: str, security: str = "auto", keys_dir: str | None = None, external: int = 0) -> Gate:
     """The gate a run's server socket uses (config fields devices.bind, security, keys, external)."""
     problem = security_problem(bind, security, keys_dir, external)
     if problem:
@@ -106,7 +106,7 @@ class Gate:
             self.auth.configure_curve_callback("*", self)
 
     @classmethod
-    def from_dir(cls, directory: Path, seats: int | None = None) -> "Gate":
+    def from_dir(cls, directory: Path, seats: int | None = None) -> Gate:
         """DIR made by `flt keys`: server.key_secret, plus one NAME.key per allowed device."""
         _, secret = keys.read_key(directory / f"{keys.SERVER}.key_secret", secret=True)
         allowed = {keys.read_key(p)[0]: p.stem for p in sorted(directory.glob("*.key"))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import time
 from pathlib import Path
@@ -19,11 +18,9 @@ import numpy as np
 import torch
 
 from models.autoencoder import ConvAE
-from server.progress import active, step
 from scenarios.datasets import load_dataset
 from scenarios.schema import ConfigError
-
-log = logging.getLogger("flt.server")
+from server.progress import active, step
 
 
 def public_images(source: dict, scenario: dict, public_idx: np.ndarray | None) -> np.ndarray:

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from models.wire import Message
-from server.replies import ShardSizes, centroids_check, metrics_check, update_check
 from server import checkpoint
 from server.checkpoint import restore_vars
 from server.progress import step
+from server.replies import ShardSizes, centroids_check, metrics_check, update_check
 from server.strategies.base import Result, Strategy, Task
 from server.transport import Ledger, Transport
 
@@ -75,7 +75,7 @@ class Federation:
         """Evaluate client c with models[rows[i]] on its own test shard (on its device)."""
         host = None if models is None else models.detach().cpu().numpy()
         msgs = {}
-        for c, r in zip(clients.tolist(), rows.tolist()):
+        for c, r in zip(clients.tolist(), rows.tolist(), strict=True):
             tensors = {} if host is None else {"model": host[r:r + 1]}
             msgs[c] = Message("evaluate", rnd, c, tensors=tensors, meta={"resident": host is None})
         replies = self.transport.gather(msgs, "metrics", self.timeout_s, check=metrics_check(self.shard_sizes))

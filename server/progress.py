@@ -12,7 +12,7 @@ import sys
 import time
 
 BAR_WIDTH = 20
-_ACTIVE: "Display | None" = None  # the terminal's Display, for code that is not handed one
+_ACTIVE: Display | None = None  # the terminal's Display, for code that is not handed one
 
 
 def active():
@@ -98,7 +98,7 @@ class Display:
             return None
         return (now - start) / (i - first) * (n - i)
 
-    def install(self) -> "Display":
+    def install(self) -> Display:
         """Make this the terminal for code that reports progress without being handed a
         callable (e.g. the encoder's pretraining inside a strategy)."""
         global _ACTIVE

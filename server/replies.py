@@ -13,7 +13,7 @@ Each `*_check` returns a function `(client, reply) -> (reason, detail) | None` f
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -9,17 +9,17 @@ server.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import zmq
 
-from models.wire import (MAX_HEADER_BYTES, TRAFFIC_CLASSES, Message, ProtocolError, decode, encode,
-                         frame_bytes)
+from models.wire import MAX_HEADER_BYTES, TRAFFIC_CLASSES, Message, ProtocolError, decode, encode, frame_bytes
 from scenarios.errors import DeviceError, short
 from server.auth import Gate, Refused
 
@@ -129,7 +129,7 @@ class Transport:
         if ident is None:
             raise DeviceLost(f"device {device!r} never connected")
         try:
-            self.sock.send_multipart([ident] + frames, copy=False)
+            self.sock.send_multipart([ident, *frames], copy=False)
         except zmq.ZMQError as exc:
             raise DeviceLost(f"device {device!r} is not connected ({exc})") from None
         self.ledger.add(msg.round, msg.client, "down", msg.traffic, payload, header + len(ident))
@@ -252,10 +252,11 @@ class Transport:
         """Send one message per client, collect one reply per client.
 
         The header marks each device's last message ("last": 0/1, the same size
-        whatever the split), so it can process its clients in one call. Returns the replies that came before the deadline; clients
-        whose device died or timed out are logged and left out. `check(client, reply)`
-        returns (reason, detail) for a reply whose content the server knows is wrong: it
-        is rejected like a malformed one, and its client left out."""
+        whatever the split), so it can process its clients in one call. Returns the replies
+        that came before the deadline; clients whose device died or timed out are logged
+        and left out. `check(client, reply)` returns (reason, detail) for a reply whose
+        content the server knows is wrong: it is rejected like a malformed one, and its
+        client left out."""
         batch = next(self.batches)
         by_device: dict[str, list[int]] = defaultdict(list)
         for cid in tasks:
@@ -353,10 +354,8 @@ class Transport:
     def close(self) -> None:
         self.drain()
         for d in self.active_devices():
-            try:
+            with contextlib.suppress(DeviceLost):
                 self.send(d, Message("shutdown"))
-            except DeviceLost:
-                pass
         self.gate.close(self.sock)
 
 

@@ -4,12 +4,12 @@ import json
 
 import pytest
 import torch
+from test_end_to_end import QUICKSTART, flt  # tests/ is on sys.path under pytest
 
 from devices.device import accelerator, client_generator
 from devices.trainer import CohortTrainer, TrainConfig
 from models.flat import flatten, param_spec
 from models.nets import build_model
-from test_end_to_end import QUICKSTART, flt  # tests/ is on sys.path under pytest
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
 

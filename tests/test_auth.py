@@ -81,7 +81,7 @@ def test_flt_keys_makes_private_key_pairs_and_never_overwrites(key_dir):
     assert keys.make_keys(key_dir, 1) == ["edge-2"]            # adds, keeps the server's pair
     with pytest.raises(keys.KeyFileError, match="already exists"):
         keys.write_keypair(key_dir, "edge-0")
-    with pytest.raises(keys.KeyFileError, match="needs its NAME.key_secret"):
+    with pytest.raises(keys.KeyFileError, match=r"needs its NAME\.key_secret"):
         keys.read_key(key_dir / "edge-0.key", secret=True)
     res = flt("device", "--connect", "tcp://127.0.0.1:1", "--key", str(key_dir / "nope.key_secret"),
               "--server-key", str(key_dir / "server.key"))
@@ -112,9 +112,9 @@ def test_an_allowed_key_names_the_device_and_a_wrong_key_gets_nothing(key_dir, t
     server = Transport(gate=Gate.from_dir(key_dir, seats=2))
     keys.write_keypair(tmp_path, "rogue")  # a well-formed key the server never allowed
     dev = [sys.executable, "-m", "devices", "--connect", server.endpoint, "--server-key", str(key_dir / "server.key")]
-    good = subprocess.Popen(dev + ["--key", str(key_dir / "edge-1.key_secret"), "--name", "dev-0"],
+    good = subprocess.Popen([*dev, "--key", str(key_dir / "edge-1.key_secret"), "--name", "dev-0"],
                             cwd=REPO, stderr=subprocess.PIPE, text=True)
-    rogue = subprocess.Popen(dev + ["--key", str(tmp_path / "rogue.key_secret")], cwd=REPO,
+    rogue = subprocess.Popen([*dev, "--key", str(tmp_path / "rogue.key_secret")], cwd=REPO,
                              stderr=subprocess.PIPE, text=True)
     try:
         hellos_until(server, {"edge-1"})
@@ -272,14 +272,14 @@ def test_a_run_over_curve_admits_only_allowed_keys_and_matches_the_clean_run(cle
     dev = [sys.executable, "-m", "emulator.cli", "device", "--connect", endpoint,
            "--server-key", str(key_dir / "server.key")]
     plain = peer(endpoint, [{"name": "dev-0"}], hold_s=30, handshake=False)
-    rogue = subprocess.Popen(dev + ["--key", str(tmp_path / "rogue.key_secret")], cwd=REPO,
+    rogue = subprocess.Popen([*dev, "--key", str(tmp_path / "rogue.key_secret")], cwd=REPO,
                              stderr=subprocess.PIPE, text=True)
     run = subprocess.Popen([sys.executable, "-m", "emulator.cli", "run", str(QUICKSTART), *RUN,
                             "--set", "devices.processes=1", "--set", "devices.external=1",
                             "--set", f"devices.bind={endpoint}", "--set", "devices.security=curve",
                             "--set", f"devices.keys={key_dir}", "--out", str(tmp_path / "run")],
                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    edge = subprocess.Popen(dev + ["--key", str(key_dir / "edge-0.key_secret")], cwd=REPO,
+    edge = subprocess.Popen([*dev, "--key", str(key_dir / "edge-0.key_secret")], cwd=REPO,
                             stderr=subprocess.PIPE, text=True)
     edge_log = ""
     while "hosting" not in edge_log and (line := edge.stderr.readline()):

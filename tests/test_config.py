@@ -92,7 +92,8 @@ def test_bad_overrides_name_file_and_field(override, field):
 
 
 def test_compare_with_an_unknown_method_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match=r"--methods: unknown method or label 'fedavgg'; methods: .*fedavg.*labels in this scenario: fedavg, flt"):
+    with pytest.raises(ConfigError, match=r"--methods: unknown method or label 'fedavgg'; "
+                                          r"methods: .*fedavg.*labels in this scenario: fedavg, flt"):
         config.load(QUICKSTART, [], ["fedavg", "fedavgg"])
 
 

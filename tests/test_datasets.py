@@ -280,7 +280,7 @@ def test_imagefolder_rejects_unsafe_tarball(tmp_path, bad):
         else:
             info.name, info.size = bad, 3
             tf.addfile(info, io.BytesIO(b"abc"))
-    with pytest.raises(DataError, match="unsafe|non-regular"):
+    with pytest.raises(DataError, match=r"unsafe|non-regular"):
         load_dataset("imagefolder", path, train=True)
     assert not (tmp_path / "evil.jpg").exists()
 
@@ -314,7 +314,8 @@ def write_leaf(root: Path) -> None:
     for part, chunks in files.items():
         (root / part).mkdir(parents=True)
         for i, users in enumerate(chunks):
-            d = {"users": list(users), "num_samples": list(users.values()), "user_data": {u: user(n) for u, n in users.items()}}
+            d = {"users": list(users), "num_samples": list(users.values()),
+                 "user_data": {u: user(n) for u, n in users.items()}}
             (root / part / f"all_data_{i}.json").write_text(json.dumps(d))
 
 
@@ -328,7 +329,8 @@ def test_femnist_small_leaf_json(tmp_path):
     np.testing.assert_array_equal(tr.groups, [1, 1, 1, 0, 0, 2, 2, 2, 2])
     np.testing.assert_array_equal(te.groups, [1, 0, 2, 2])
     raw = json.loads((tmp_path / "femnist" / "train" / "all_data_0.json").read_text())
-    first = np.rint((1 - np.array(raw["user_data"]["f_b"]["x"][0], dtype=np.float32)) * 255).reshape(28, 28)  # bright ink
+    ink = 1 - np.array(raw["user_data"]["f_b"]["x"][0], dtype=np.float32)  # bright ink
+    first = np.rint(ink * 255).reshape(28, 28)
     np.testing.assert_array_equal(tr.x[0, 0], first)
     np.testing.assert_array_equal(tr.y[:3], raw["user_data"]["f_b"]["y"])
     assert list((tmp_path / "cache" / "femnist").glob("*.npz"))  # parsed once, cached
@@ -439,3 +441,30 @@ def test_truncated_tarball_and_broken_leaf_json_are_data_errors(tmp_path):
     write_empty_leaf(tmp_path / "empty")
     with pytest.raises(DataError, match="no samples"):
         load_dataset("femnist", tmp_path / "empty", train=True)
+
+
+def test_emnist_balanced_feeds_s4s_structured_sampler(tmp_path):
+    """scenarios/s4_emnist.yaml end to end up to the partition, on a small EMNIST-balanced
+    written here in its own format (flat folder, gzip'd IDX, transposed images)."""
+    from emulator.config import load
+    from emulator.run import build_partition, hold_out_public, load_data
+
+    rng = np.random.default_rng(3)
+    for part, per_class in (("train", 60), ("test", 10)):
+        y = np.repeat(np.arange(47, dtype=np.uint8), per_class)
+        write_idx(tmp_path / f"emnist-balanced-{part}-images-idx3-ubyte.gz", rand_images(rng, len(y)))
+        write_idx(tmp_path / f"emnist-balanced-{part}-labels-idx1-ubyte.gz", y)
+    scenario = Path(__file__).resolve().parents[1] / "scenarios" / "s4_emnist.yaml"
+    cfg = load(scenario, [f"data.root={tmp_path}", "partition.clients=50"])
+    train, test = load_data(cfg)
+    assert train.num_classes == 47 and len(train) == 47 * 60
+    public = hold_out_public(cfg, len(train.y))
+    p = build_partition(cfg, train, test, public)
+    assert min(len(t) for t in p.train) >= 20 and len(public) == int(0.05 * 47 * 60)
+    # every image of classes 0-40 (41-46 belong to no cluster) outside the public slice, once
+    used = np.sort(np.concatenate(p.train))
+    assert np.array_equal(used, np.setdiff1d(np.flatnonzero(train.y <= 40), public))
+    # C = 10 clusters of 5 classes, 4 apart over 47: neighbours share one class
+    for c in range(10):
+        held = np.unique(np.concatenate([train.y[p.train[m]] for m in np.flatnonzero(p.cluster == c)]))
+        assert held.tolist() == list(range(4 * c, 4 * c + 5))

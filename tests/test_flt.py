@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from scipy.spatial.distance import cdist
-from sklearn.metrics import adjusted_rand_score
 
 from emulator.config import parse_methods
 from server import fcr
@@ -76,7 +75,7 @@ def test_onnx_encoder_bytes_are_counted_once_per_client(quickstart_run):
     assert pay["up"]["encoder"] == 0
     assert f["latent"] == 128
     assert pay["up"]["embedding"] == f["centroids_sent"] * 128 * 4
-    assert CLIENTS <= f["centroids_sent"]  # at least one centroid per client (k: auto)
+    assert f["centroids_sent"] >= CLIENTS  # at least one centroid per client (k: auto)
     # M*W_enc + k*M*e + 2*rho*M*W_local*T, with rho*M*T the selections made
     assert m["selections"] == 0.5 * CLIENTS * 3
     expected = (CLIENTS * f["encoder_bytes"] + f["centroids_sent"] * 128 * 4
@@ -111,7 +110,7 @@ def case1(ctx: Context, graph: np.ndarray) -> FLT:
 def results_for(clients, seed=1) -> dict[int, Result]:
     g = torch.Generator().manual_seed(seed)
     n = np.random.default_rng(seed).integers(5, 100, len(clients))
-    return {c: Result(torch.randn(P, generator=g), int(k), {}) for c, k in zip(clients, n)}
+    return {c: Result(torch.randn(P, generator=g), int(k), {}) for c, k in zip(clients, n, strict=True)}
 
 
 def test_case1_with_all_ones_graph_is_fedavg(tmp_path):
@@ -127,7 +126,7 @@ def test_case1_with_all_ones_graph_is_fedavg(tmp_path):
     for m in range(M):  # selected or not: every client gets the global model
         torch.testing.assert_close(s.models[m], avg, atol=1e-6, rtol=0)
         torch.testing.assert_close(s.models[m], fedavg.global_model, atol=1e-6, rtol=0)
-    models, rows = s.eval_models(np.arange(M))
+    _, rows = s.eval_models(np.arange(M))
     np.testing.assert_array_equal(rows, np.arange(M))
 
 
@@ -168,10 +167,7 @@ def test_case1_with_soft_weights_matches_a_hand_computation(tmp_path):
     g = graph.astype(np.float32).astype(np.float64)
     for m in range(M):
         mass = sum(g[j, m] * n[j] for j in SELECTED)
-        if mass == 0:
-            want = before[m]
-        else:
-            want = sum(g[j, m] * n[j] * w[j] for j in SELECTED) / mass
+        want = before[m] if mass == 0 else sum(g[j, m] * n[j] * w[j] for j in SELECTED) / mass
         torch.testing.assert_close(s.models[m].double(), want, atol=1e-5, rtol=0)
     assert isolated not in SELECTED
     torch.testing.assert_close(s.models[isolated].double(), before[isolated], atol=0, rtol=0)

@@ -58,7 +58,7 @@ def test_no_batchnorm():
 
 
 def test_unknown_model():
-    with pytest.raises(ValueError, match="mlp.*leaf_cnn.*cifar_cnn"):
+    with pytest.raises(ValueError, match=r"mlp.*leaf_cnn.*cifar_cnn"):
         build_model("resnet", (1, 28, 28), 10)
 
 
@@ -89,7 +89,7 @@ def test_unflatten_batch_views():
     B = 3
     stack = torch.randn(B, spec.total)
     d = unflatten(stack, spec)
-    for n, shape in zip(spec.names, spec.shapes):
+    for n, shape in zip(spec.names, spec.shapes, strict=True):
         assert d[n].shape == (B, *shape)
         assert d[n]._base is stack  # view into the stack
     # each row of the batch matches unflatten of that row
@@ -229,7 +229,7 @@ def test_onnx_parity_mnist(exported):
     ae, data = exported
     sess = onnx_session(data, intra_op_num_threads=2)
     x = _mnist_images(256)
-    assert x.shape == (256, 1, 28, 28) and 0 <= x.min() and x.max() <= 1 and x.max() > 0.9
+    assert x.shape == (256, 1, 28, 28) and x.min() >= 0 and x.max() <= 1 and x.max() > 0.9
     _assert_parity(ae, sess, x)
     _assert_parity(ae, sess, x, batch=100)
 

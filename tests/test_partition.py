@@ -22,7 +22,8 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 def labels(per_class_train=700, per_class_test=200, k=10, seed=0):
     rng = np.random.default_rng(seed)
-    return rng.permutation(np.repeat(np.arange(k), per_class_train)), rng.permutation(np.repeat(np.arange(k), per_class_test))
+    return (rng.permutation(np.repeat(np.arange(k), per_class_train)),
+            rng.permutation(np.repeat(np.arange(k), per_class_test)))
 
 
 def assert_disjoint(p: Partition, n_train: int, n_test: int) -> None:
@@ -85,7 +86,8 @@ def test_s1_disjoint_clusters_exact_classes():
 def test_s2_rings_share_one_class_with_neighbours():
     y_tr, y_te = labels()
     p = s1(y_tr, y_te, classes_per_cluster=3, shared_classes=1, samples_per_client=150)
-    cls = {c: set(y_tr[np.concatenate([p.train[m] for m in np.flatnonzero(p.cluster == c)])].tolist()) for c in range(5)}
+    cls = {c: set(y_tr[np.concatenate([p.train[m] for m in np.flatnonzero(p.cluster == c)])].tolist())
+           for c in range(5)}
     for c in range(5):
         assert len(cls[c]) == 3
         assert len(cls[c] & cls[(c + 1) % 5]) == 1  # neighbours share exactly one class

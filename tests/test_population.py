@@ -32,7 +32,7 @@ def test_an_offline_device_is_never_selected():
     windows = [np.zeros((0, 2))] * m
     offline = [1, 4, 7]
     for c in offline:  # online only later in the run
-        windows = windows[:c] + [np.array([[1000.0, 2000.0]])] + windows[c + 1:]
+        windows = [*windows[:c], np.array([[1000.0, 2000.0]]), *windows[c + 1:]]
     pop = Population(m, rho=1.0, seed=0, profiles=profiles(m, windows=windows), sampling="available")
     for rnd in range(1, 20):
         chosen = pop.select(rnd, np.arange(m))

@@ -147,9 +147,9 @@ class TestAvailability:
         assert p.take(np.arange(7) % len(p)).ms_per_sample.shape == (7,)
 
     def test_bad_profiles(self):
-        with pytest.raises(ProfileError, match="client 1.*ends before"):
+        with pytest.raises(ProfileError, match=r"client 1.*ends before"):
             make([[], [[5, 1]]])
-        with pytest.raises(ProfileError, match="ms_per_sample.*client 0"):
+        with pytest.raises(ProfileError, match=r"ms_per_sample.*client 0"):
             Profiles(np.array([0.0]), np.ones(1), np.ones(1), np.zeros(1), [[]], None)
         with pytest.raises(ProfileError, match="period_s"):
             make([[]], period_s=-5)
@@ -209,7 +209,7 @@ class TestDistribution:
         p = profiles_from_distribution(400, spec, np.random.default_rng(5))
         q = profiles_from_distribution(400, spec, np.random.default_rng(5))
         assert p.period_s == 3600.0
-        for a, b in zip(p.windows, q.windows):
+        for a, b in zip(p.windows, q.windows, strict=True):
             np.testing.assert_array_equal(a, b)
         covered = np.array([np.sum(w[:, 1] - w[:, 0]) for w in p.windows])
         np.testing.assert_allclose(covered, 0.7 * 3600)
@@ -300,14 +300,14 @@ class TestTraceFiles:
     def test_bad_csv_field_names_file_and_field(self, tmp_path, row, pattern):
         f = tmp_path / "bad_devices.csv"
         f.write_text("client,ms_per_sample,up_kbps,down_kbps,latency_ms,windows\n" + row + "\n")
-        with pytest.raises(ProfileError, match="bad_devices.csv") as ei:
+        with pytest.raises(ProfileError, match=r"bad_devices\.csv") as ei:
             load_trace(f)
         assert __import__("re").search(pattern, str(ei.value)), str(ei.value)
 
     def test_bad_csv_structure(self, tmp_path):
         f = tmp_path / "d.csv"
         f.write_text("client,ms_per_sample,up_kbps,down_kbps,latency_ms,windows,gpu\n")
-        with pytest.raises(ProfileError, match="d.csv.*unknown column 'gpu'"):
+        with pytest.raises(ProfileError, match=r"d\.csv.*unknown column 'gpu'"):
             load_trace(f)
         f.write_text("client,ms_per_sample,up_kbps,down_kbps,windows\n")
         with pytest.raises(ProfileError, match="missing column 'latency_ms'"):
@@ -361,7 +361,7 @@ class TestTraceFiles:
         f.write_text(json.dumps({"period_s": 86400, "clients": clients}))
         q = load_trace(f)
         np.testing.assert_allclose(q.up_bps, p.up_bps)
-        for a, b in zip(p.windows, q.windows):
+        for a, b in zip(p.windows, q.windows, strict=True):
             np.testing.assert_array_equal(a, b)
 
 
@@ -441,7 +441,7 @@ class TestFedScale:
         with pytest.raises(ProfileError, match=r"beh.pkl: client 1.*before"):
             import_fedscale(cap, beh)
         (tmp_path / "junk.pkl").write_bytes(b"not a pickle at all")
-        with pytest.raises(ProfileError, match="junk.pkl"):
+        with pytest.raises(ProfileError, match=r"junk\.pkl"):
             import_fedscale(tmp_path / "junk.pkl")
 
     def test_malicious_pickle_rejected_without_executing(self, tmp_path):

@@ -15,7 +15,10 @@ def _train(resident=False, candidates=1):
                        meta={"batch_size": 10, "epochs": 2, "resident": resident})}
 
 
-def _update(model=np.ones(P, np.float32), **meta):
+ONES = np.ones(P, np.float32)
+
+
+def _update(model=ONES, **meta):
     tensors = {} if model is None else {"model": model}
     return Message("update", 1, 3, tensors=tensors,
                    meta={"n": 50, "steps": 10, "choice": 0, "flag": 0, "loss": 0.5, **meta})

@@ -128,7 +128,7 @@ def test_a_folder_of_runs_is_expanded_and_a_wrong_folder_named(tmp_path):
     page = html_report.build([tmp_path / "suite"], tmp_path / "out").read_text()
     assert "All methods" in page and page.count("<h2>") == 3
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ConfigError, match="empty: no summary.json"):
+    with pytest.raises(ConfigError, match=r"empty: no summary\.json"):
         html_report.run_folders([tmp_path / "empty"])
 
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_resume import results_without_timing  # tests/ is on sys.path under pytest
 
 from devices.device import client_generator
 from devices.trainer import CohortTrainer, TrainConfig
 from models.flat import flatten, param_spec
 from models.nets import build_model
-from test_resume import results_without_timing  # tests/ is on sys.path under pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = [23, 50, 37, 61, 8]  # clients of unequal size: the cohort pads to the largest

@@ -80,7 +80,7 @@ def test_every_strategy_state_survives_a_checkpoint(tmp_path, name):
                   scenario={"name": "t", "data": {"dataset": "digits", "root": None}})
     params = parse_methods([name])[0].params
     before = STRATEGIES[name](ctx, **params)
-    for attr, value in list(vars(before).items()):  # moved on from construction: random streams drawn
+    for value in list(vars(before).values()):  # moved on from construction: random streams drawn
         if isinstance(value, np.random.Generator):
             value.random(5)
         elif isinstance(value, torch.Generator):
@@ -108,7 +108,7 @@ def _assert_same(a, b, where):
             _assert_same(a[k], b[k], f"{where}[{k!r}]")
     elif isinstance(b, (list, tuple)):
         assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_same(x, y, f"{where}[{i}]")
     elif hasattr(b, "__dict__") and not isinstance(b, type):
         _assert_same(vars(a), vars(b), where)

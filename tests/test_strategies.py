@@ -373,7 +373,7 @@ class FakeFederation:
 
     def evaluate(self, rnd, clients, models, rows):
         out = {}
-        for c, r in zip(clients.tolist(), rows.tolist()):
+        for c, r in zip(clients.tolist(), rows.tolist(), strict=True):
             w = self.resident.get(c, self.targets[c] * 0) if models is None else models[r]
             out[c] = {"correct": float(torch.exp(-((w - self.targets[c]) ** 2).mean())), "total": 1.0}
         return out

@@ -55,7 +55,7 @@ def finish(entry: suite.Entry, rounds: int) -> None:
 def test_a_folder_gives_its_scenarios_in_name_order_and_bad_paths_are_named(tmp_path):
     folder = scenarios(tmp_path / "sc")
     assert [f.name for f in suite.scenario_files([folder])] == ["0_tiny_a.yaml", "1_tiny_b.yaml"]
-    with pytest.raises(ConfigError, match="nope.yaml: no such scenario file"):
+    with pytest.raises(ConfigError, match=r"nope\.yaml: no such scenario file"):
         suite.scenario_files([tmp_path / "nope.yaml"])
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="empty: no scenario files"):

@@ -70,7 +70,7 @@ def test_nan_and_inf_are_refused_for_every_float_field(value):
         with pytest.raises(ConfigError, match=rf"{QUICKSTART}: {path}: expected a finite number"):
             config.load(QUICKSTART, [f"{path}={value}"])
     for name, path in METHOD_FLOATS:
-        entry = "{name: %s, %s}" % (name, nested(path, value))
+        entry = f"{{name: {name}, {nested(path, value)}}}"
         with pytest.raises(ConfigError, match=rf"methods\[0\]\({name}\)\.{path}: expected a finite number"):
             config.load(QUICKSTART, [f"methods=[{entry}]"])
 
@@ -130,12 +130,12 @@ def test_more_clients_than_samples_is_refused_before_allocating():
     finally:
         tracemalloc.stop()
     assert peak < 5e6, peak
-    with pytest.raises(part.PartitionError, match="partition.samples_per_client: 2000"):
+    with pytest.raises(part.PartitionError, match=r"partition\.samples_per_client: 2000"):
         part.partition_dirichlet(y_train, y_test, n_clients=2, alpha=0.5, samples_per_client=2000,
                                  test_per_client=5, rng=rng)
-    with pytest.raises(part.PartitionError, match="partition.classes_per_cluster: 1000000000 classes"):
+    with pytest.raises(part.PartitionError, match=r"partition\.classes_per_cluster: 1000000000 classes"):
         part.cluster_classes(5, 10**9, 10, 0)  # refused before a list of 10**9 classes exists
-    with pytest.raises(part.PartitionError, match="partition.test_per_client: 500"):
+    with pytest.raises(part.PartitionError, match=r"partition\.test_per_client: 500"):
         part.partition_structured(y_train, y_test, n_clients=4, n_clusters=2, classes_per_cluster=2,
                                   alpha=1.0, delta=0.5, test_per_client=500, rng=rng)
 

@@ -108,7 +108,7 @@ class IFCA(Strategy):
         if bad.any():
             log.error("ifca: round %d: ignored %d results with a cluster choice outside 0..%d",
                       rnd, int(bad.sum()), self.c - 1)
-            clients = [c for c, b in zip(clients, bad) if not b]
+            clients = [c for c, b in zip(clients, bad, strict=True) if not b]
             choice = choice[~bad]
             if not clients:
                 return

@@ -20,9 +20,9 @@ ones (0.2 = 1/C for the paper's C = 5 balanced clusters). A number for gamma is 
 """
 from __future__ import annotations
 
-import numpy as np
 from dataclasses import replace
 
+import numpy as np
 from sklearn.decomposition import PCA
 
 from scenarios.schema import Field, section, validate
