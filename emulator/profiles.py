@@ -353,7 +353,7 @@ class Profiles:
     def __repr__(self) -> str:
         n_win = int(self._offsets[-1])
         always = int(np.sum(np.diff(self._offsets) == 0))
-        per = self.period_s if np.ndim(self.period_s) == 0 else "per-client"
+        per = "per-client" if isinstance(self.period_s, np.ndarray) else self.period_s
         return f"Profiles(M={len(self)}, windows={n_win}, always_online={always}, period_s={per})"
 
     def _clients(self, clients) -> np.ndarray:

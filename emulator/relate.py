@@ -96,6 +96,7 @@ def relate_scenario(cfg: dict, out: str | None = None, method: str | None = None
         progress(f"{len(devices)} device processes host {m} clients; relating them with {spec['label']}")
         transport.ledger.reset()
         strategy = STRATEGIES[spec["name"]](ctx, **spec["params"])
+        assert isinstance(strategy, FLT)  # pick_method() picks FLT or a subclass
         strategy.setup(fed)
         result = strategy.fcr_reports[0] | {"method": spec["label"], "wall_s": time.perf_counter() - tic,
                                             "bytes": _fcr_traffic(transport), "planted_clusters":
