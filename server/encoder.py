@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -18,9 +19,11 @@ import numpy as np
 import torch
 
 from models.autoencoder import ConvAE
+from server.progress import active, step
 from scenarios.datasets import load_dataset
 from scenarios.schema import ConfigError
-from server.progress import active, step
+
+log = logging.getLogger("flt.server")
 
 
 def public_images(source: dict, scenario: dict, public_idx: np.ndarray | None) -> np.ndarray:
@@ -35,7 +38,29 @@ def public_images(source: dict, scenario: dict, public_idx: np.ndarray | None) -
         raise ConfigError(f"encoder.dataset: {source['dataset']!r} is the clients' own dataset; "
                          "use 'public' (the held-out slice) so no client training image is seen")
     root = source.get("root") or data["root"]
-    return load_dataset(source["dataset"], root, train=True).x
+    images = load_dataset(source["dataset"], root, train=True).x
+    # the clients embed their own images: the encoder must take their shape (test split: smaller)
+    return fit_shape(images, load_dataset(data["dataset"], data["root"], train=False).x.shape[1:],
+                     source["dataset"])
+
+
+def fit_shape(images: np.ndarray, shape: tuple, name: str) -> np.ndarray:
+    """Another dataset's uint8 [N, C, H, W] images in the clients' [C, H, W]: grey
+    replicated to 3 channels (or colour averaged to grey), then bilinear resizing
+    (e.g. Fashion-MNIST's 1x28x28 as CIFAR-10's 3x32x32, for Enc2)."""
+    c, h, w = shape
+    if tuple(images.shape[1:]) == (c, h, w):
+        return images
+    if images.shape[1] not in (1, c) and c != 1:
+        raise ConfigError(f"encoder.dataset: {name!r} has {images.shape[1]}-channel images; the "
+                          f"clients' have {c} (only grey <-> colour can be converted)")
+    x = torch.from_numpy(images).float()
+    x = x.mean(1, keepdim=True) if c == 1 else x.expand(-1, c, -1, -1)
+    if x.shape[2:] != (h, w):
+        x = torch.cat([torch.nn.functional.interpolate(x[i:i + 4096], size=(h, w), mode="bilinear",
+                       antialias=True, align_corners=False) for i in range(0, len(x), 4096)])
+    return x.round().clamp(0, 255).to(torch.uint8).numpy()
+
 
 
 def cache_key(images: np.ndarray, settings: dict) -> str:
