@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import time
 from pathlib import Path
@@ -19,11 +18,9 @@ import numpy as np
 import torch
 
 from models.autoencoder import ConvAE
-from server.progress import active, step
 from scenarios.datasets import load_dataset
 from scenarios.schema import ConfigError
-
-log = logging.getLogger("flt.server")
+from server.progress import active, step
 
 
 def public_images(source: dict, scenario: dict, public_idx: np.ndarray | None) -> np.ndarray:
@@ -60,7 +57,6 @@ def fit_shape(images: np.ndarray, shape: tuple, name: str) -> np.ndarray:
         x = torch.cat([torch.nn.functional.interpolate(x[i:i + 4096], size=(h, w), mode="bilinear",
                        antialias=True, align_corners=False) for i in range(0, len(x), 4096)])
     return x.round().clamp(0, 255).to(torch.uint8).numpy()
-
 
 
 def cache_key(images: np.ndarray, settings: dict) -> str:
