@@ -74,7 +74,7 @@ DEVICES = {
 }
 
 PROFILES = {
-    "trace": Field(str, None, "device trace file (CSV/JSON, see emulator/profiles.py)", nullable=True),
+    "trace": Field(str, None, "device trace file (CSV/JSON, see emulator/profiles/trace.py)", nullable=True),
     "fedscale_capacity": Field(str, None, "FedScale client_device_capacity file", nullable=True),
     "fedscale_behave": Field(str, None, "FedScale client_behave_trace file (availability)", nullable=True),
     "distribution": Field(dict, None, "seeded distributions: compute, network, latency_ms, availability",
