@@ -174,7 +174,7 @@ def _resume(args) -> None:
 
     from emulator import config
     from emulator.run import run_scenario
-    from scenarios.schema import ConfigError
+    from models.schema import ConfigError
     from server.progress import active
 
     run_dir = Path(args.resume)

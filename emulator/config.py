@@ -13,9 +13,9 @@ import numpy as np
 import yaml
 
 from emulator.profiles import ProfileError, profiles_from_distribution
+from models.schema import ConfigError, Field, MethodSpec, section, validate
 from scenarios.datasets import DATASETS, DataError, dataset_key, load_dataset
 from scenarios.errors import short
-from scenarios.schema import ConfigError, Field, MethodSpec, section, validate
 from server.auth import SECURITY, security_problem
 from server.strategies import STRATEGIES
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from emulator import report
-from scenarios.schema import ConfigError
+from models.schema import ConfigError
 
 # the rest is in summary.json
 EVENT_DETAIL = ("cause", "placement", "to_cluster", "clusters", "ari", "nmi", "fcr_bytes")

@@ -22,7 +22,7 @@ import numpy as np
 
 from emulator.clock import EmulatedClock, close_round, overcommit_count, task_seconds
 from emulator.profiles import Profiles
-from scenarios.schema import ConfigError
+from models.schema import ConfigError
 
 
 @dataclass

@@ -28,7 +28,7 @@ from emulator.run import (
     load_data,
     make_run_dir,
 )
-from scenarios.schema import ConfigError
+from models.schema import ConfigError
 from server import fcr
 from server.auth import gate_for
 from server.fcr_report import scatter
@@ -55,7 +55,7 @@ def pick_method(cfg: dict, label: str | None) -> dict:
 
 
 def _defaults(cls) -> dict:
-    from scenarios.schema import validate
+    from models.schema import validate
 
     return validate({}, cls.PARAMS, cls.name)
 

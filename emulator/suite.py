@@ -17,8 +17,8 @@ from pathlib import Path
 import yaml
 
 from emulator import config, report
+from models.schema import ConfigError
 from scenarios.errors import FltError
-from scenarios.schema import ConfigError
 from server.progress import Display, duration
 
 RUN_FILES = ("config.yaml", "partition.npz", "public_indices.npy")  # what a resume needs

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from models.autoencoder import ConvAE
+from models.schema import ConfigError
 from scenarios.datasets import load_dataset
-from scenarios.schema import ConfigError
 from server.progress import active, step
 
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from emulator import config
-from scenarios.schema import ConfigError
+from models.schema import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"

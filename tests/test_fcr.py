@@ -6,7 +6,7 @@ from scipy.spatial.distance import cdist
 from sklearn.metrics import adjusted_rand_score
 
 from emulator.config import parse_methods
-from scenarios.schema import ConfigError
+from models.schema import ConfigError
 from server import fcr
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from emulator import html_report
 from emulator.report import table
-from scenarios.schema import ConfigError
+from models.schema import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

@@ -13,8 +13,8 @@ import yaml
 
 from emulator.config import load, resolve_paths
 from models.nets import build_model
+from models.schema import ConfigError
 from scenarios.partition import Partition
-from scenarios.schema import ConfigError
 from server.encoder import fit_shape
 from tests.conftest import REPO, SHARED_DATA, need_shared
 

@@ -14,7 +14,7 @@ import torch
 
 from emulator import config, suite
 from models.autoencoder import ConvAE
-from scenarios.schema import ConfigError
+from models.schema import ConfigError
 from server.encoder import pretrain
 from server.progress import Display, step
 

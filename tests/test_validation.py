@@ -14,9 +14,9 @@ import pytest
 
 from emulator import config
 from emulator.population import schedule_from
+from models.schema import ConfigError
 from scenarios import partition as part
 from scenarios.errors import FltError
-from scenarios.schema import ConfigError
 from server.strategies import STRATEGIES
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from scenarios.schema import Field
+from models.schema import Field
 from server.checkpoint import restore_vars
 
 

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from sklearn.cluster import AgglomerativeClustering
 
-from scenarios.schema import Field, validate
+from models.schema import Field, validate
 from server.fcr_report import agreement
 from server.strategies.base import Result, Strategy, Task, stack, weighted_average
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scenarios.schema import Field, validate
+from models.schema import Field, validate
 from server.strategies.base import Task
 from server.strategies.fedavg import FedAvg
 

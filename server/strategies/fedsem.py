@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from scenarios.schema import Field, validate
+from models.schema import Field, validate
 from server.fcr_report import agreement
 from server.strategies.base import Result, Strategy, Task, stack, weighted_average
 

@@ -40,8 +40,8 @@ from sklearn.decomposition import PCA
 
 from models.autoencoder import export_encoder_onnx
 from models.flat import flatten
+from models.schema import Field, section
 from scenarios.errors import DeviceError
-from scenarios.schema import Field, section
 from server import encoder as enc
 from server import fcr
 from server.fcr_report import agreement, plot_fcr

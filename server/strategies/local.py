@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scenarios.schema import validate
+from models.schema import validate
 from server.strategies.base import Result, Strategy, Task
 
 

@@ -25,7 +25,7 @@ from dataclasses import replace
 import numpy as np
 from sklearn.decomposition import PCA
 
-from scenarios.schema import Field, section, validate
+from models.schema import Field, section, validate
 from server import encoder as enc
 from server import fcr
 from server.strategies.flt import ENCODER, FLT

@@ -4,6 +4,9 @@ Every field has a type, a default, optional bounds or choices and a help text; n
 sections are dicts of fields. `validate` fills defaults and raises `ConfigError` that
 names the file and the dotted field path on the first unknown key, wrong type or
 out-of-range value, so a bad scenario stops before anything starts.
+
+Lives in `models/`, the package the emulator, the server and the devices all share, so a
+strategy declaring its parameters does not import the scenario package.
 """
 from __future__ import annotations
 
