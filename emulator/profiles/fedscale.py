@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import pickle
 from pathlib import Path
 
@@ -68,7 +69,8 @@ def _fs_number(value, where, *, allow_zero=False):
     return v
 
 
-def import_fedscale(capacity_path, behave_path=None, *, kbit_bits: float = 1000.0) -> Profiles:
+def import_fedscale(capacity_path: str | os.PathLike, behave_path: str | os.PathLike | None = None, *,
+                    kbit_bits: float = 1000.0) -> Profiles:
     """Import FedScale's ``client_device_capacity`` (+ optional ``client_behave_trace``).
 
     ``kbit_bits``: bits in FedScale's kbit.  1000 (default) reads ``communication`` as

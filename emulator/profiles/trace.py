@@ -30,6 +30,7 @@ import io
 import json
 import math
 import numbers
+import os
 import re
 from pathlib import Path
 
@@ -233,7 +234,7 @@ def _load_json(path, text):
     return _assemble_rows(path, rows, period)
 
 
-def load_trace(path) -> Profiles:
+def load_trace(path: str | os.PathLike) -> Profiles:
     """Read a device trace in our CSV or JSON format (module docstring)."""
     path = Path(path)
     try:

@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from emulator.profiles.units import ProfileError
 
@@ -274,14 +275,14 @@ class Profiles:
         inside = (self._starts[idx] <= tt[local]) & (tt[local] < self._ends[idx])
         return c, t, tt, per, periodic, idx[inside], local[inside], lens
 
-    def online(self, clients, t) -> np.ndarray:
+    def online(self, clients: ArrayLike, t: ArrayLike) -> np.ndarray:
         """Boolean [len(clients)]: is each client online at emulated time t?"""
         _, _, _, _, _, _, where, lens = self._locate(clients, t)
         on = lens == 0
         on[where] = True
         return on
 
-    def online_until(self, clients, t) -> np.ndarray:
+    def online_until(self, clients: ArrayLike, t: ArrayLike) -> np.ndarray:
         """End of the window each client is in at t (absolute seconds).
 
         ``inf`` for always-online clients, ``t`` itself for a client offline at t.
@@ -310,7 +311,7 @@ class Profiles:
         until[where] = u
         return until
 
-    def take(self, clients) -> Profiles:
+    def take(self, clients: ArrayLike) -> Profiles:
         """Subset (or repeat: ``p.take(np.arange(n) % len(p))``) in the given order."""
         c = self._clients(clients)
         idx, _, lens = _gather_index(self._offsets, c)
