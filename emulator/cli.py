@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 
 from scenarios.errors import FltError
 
@@ -151,6 +152,7 @@ def _run(args) -> int:
     methods = None
     if args.cmd == "compare":
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    action: Callable[[], object]  # a run folder's Path, or None
     if args.cmd == "run" and args.resume:
         action = lambda: _resume(args)  # noqa: E731
     elif args.scenario is None:

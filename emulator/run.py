@@ -196,6 +196,8 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print, resume: bool
     progress(f"data: {data['dataset']}" + (f" from {_abs(data['root'])}" if data["root"] else ""))
     train, test = load_data(cfg)
     if resume:
+        if out is None:
+            raise ValueError("run_scenario: resume=True needs out, the run folder to continue")
         run_dir = Path(out)
         public = np.load(run_dir / "public_indices.npy")
         partition = part.Partition.load(run_dir / "partition.npz")

@@ -58,7 +58,8 @@ def scenario_files(paths: list[Path]) -> list[Path]:
 
 def plan(paths: list[Path], overrides: list[str], out: Path) -> list[Entry]:
     """Every scenario loaded and validated, each with its folder out/<name>."""
-    entries, seen = [], {}
+    entries: list[Entry] = []
+    seen: dict[str, Path] = {}  # scenario name -> the file that took it
     for f in scenario_files(paths):
         cfg = config.load(f, overrides)
         if cfg["name"] in seen:

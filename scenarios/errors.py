@@ -36,7 +36,8 @@ def _bounded_repr(value, budget: int) -> str:
     """A repr of at most about `budget` characters: containers are walked item by item
     and the walk stops as soon as the budget is spent."""
     if isinstance(value, (list, tuple, dict, set)):
-        opener, closer = {list: "[]", tuple: "()", dict: "{}", set: "{}"}.get(type(value), "[]")
+        brackets = {list: "[]", tuple: "()", dict: "{}", set: "{}"}.get(type(value), "[]")
+        opener, closer = brackets[0], brackets[1]
         items = value.items() if isinstance(value, dict) else value
         out, used = [opener], 1
         for item in items:

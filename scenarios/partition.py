@@ -554,8 +554,8 @@ def partition_structured(
         )
 
     given = np.zeros((n_clients, k_all), np.int64)
-    for m in range(n_clients):
-        given[m] = np.bincount(y_train[train[m]], minlength=k_all)
+    for client in range(n_clients):
+        given[client] = np.bincount(y_train[train[client]], minlength=k_all)
     test, tnotes = _test_shards(y_test, given, test_per_client, rng)
     return Partition(train=train, test=test, cluster=cluster, notes=notes + tnotes)
 

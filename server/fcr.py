@@ -126,10 +126,10 @@ def set_distance(points: list[np.ndarray], kind: str = "chamfer", chunk: int = 2
             a = near_ij.masked_fill(~rows_valid[:, :, None], -torch.inf).amax(1)
             b = near_ji.masked_fill(~valid.view(1, m, k), -torch.inf).amax(2)
             out[lo:lo + chunk] = torch.maximum(a, b)
-    out = out.cpu().numpy()
-    out = (out + out.T) / 2           # exact symmetry (float rounding of the two halves)
-    np.fill_diagonal(out, 0.0)
-    return out
+    dist = out.cpu().numpy()
+    dist = (dist + dist.T) / 2        # exact symmetry (float rounding of the two halves)
+    np.fill_diagonal(dist, 0.0)
+    return dist
 
 
 def min_distance_adjacency(points: list[np.ndarray], chunk: int = 256,
