@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -112,7 +113,7 @@ SCENARIO = {
 }
 
 
-def load(path: str | Path, overrides: list[str] = (), methods: list[str] | None = None) -> dict:
+def load(path: str | Path, overrides: Sequence[str] = (), methods: list[str] | None = None) -> dict:
     """Read, override and validate a scenario; raise ConfigError naming the file.
 
     `methods` (flt compare) keeps the scenario's entries of those names, with their
@@ -170,9 +171,9 @@ PATH_FIELDS = (("data", "root"), ("population", "profiles", "trace"),
 def resolve_paths(raw: dict, base: Path) -> None:
     """Make relative paths absolute against `base`, in place: data.root, the profile
     files and every method's encoder.root. Absolute paths and `~` stay as they are."""
-    holders = []
+    holders: list[tuple[dict | None, str]] = []  # (the dict holding a path, its key)
     for keys in PATH_FIELDS:
-        node = raw
+        node: dict | None = raw
         for k in keys[:-1]:
             node = node.get(k) if isinstance(node, dict) else None
         holders.append((node, keys[-1]))
@@ -232,13 +233,14 @@ def _check_encoder(source: dict, cfg: dict, where: str) -> None:
             raise ConfigError(f"{where}.dataset: 'public' needs partition.public_fraction > 0 "
                               "(a held-out slice of the train split that no client receives)")
         return
-    if dataset_key(name) is None:
+    key = dataset_key(name)
+    if key is None:
         raise ConfigError(f"{where}.dataset: {short(name)} is neither 'public' nor a dataset "
                           f"({', '.join(DATASETS)})")
-    if dataset_key(name) == dataset_key(data["dataset"]):
+    if key == dataset_key(data["dataset"]):
         raise ConfigError(f"{where}.dataset: {short(name)} is the clients' own dataset; use 'public' "
                           "(the held-out slice) so no client training image is seen")
-    if dataset_key(name)[0] != "digits" and not (source.get("root") or data["root"]):
+    if key[0] != "digits" and not (source.get("root") or data["root"]):
         raise ConfigError(f"{where}.root: dataset {short(name)} needs a data root (here or in data.root)")
 
 
@@ -260,6 +262,7 @@ def load_encoder_sources(cfg: dict) -> None:
 
 
 def _check_events(pop: dict, rounds: int, partition: dict) -> None:
+    need: tuple[str, ...]  # the fields an event of this kind must have
     for kind, need in (("newcomers", ("round",)), ("drift", ("round", "clients"))):
         for i, ev in enumerate(pop[kind]):
             where = f"population.{kind}[{i}]"

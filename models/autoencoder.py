@@ -78,7 +78,7 @@ def export_encoder_onnx(ae: ConvAE, in_shape: tuple[int, int, int]) -> bytes:
             torch.onnx.export(
                 ae.encoder,
                 (dummy,),
-                buf,
+                buf,  # type: ignore[arg-type]  # the stub names paths only; export writes file objects too
                 dynamo=False,
                 input_names=["images"],
                 output_names=["embedding"],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -92,7 +93,7 @@ class Credentials:
 
     @classmethod
     def load(cls, key_file: str | None = None, server_key_file: str | None = None,
-             env: dict | None = None) -> Credentials:
+             env: MutableMapping[str, str] | None = None) -> Credentials:
         """From `--key`/`--server-key` files, else from the environment the emulator set
         (removed from it, so nothing this process starts inherits a secret)."""
         env = os.environ if env is None else env
@@ -103,14 +104,18 @@ class Credentials:
             _, secret = read_key(key_file, secret=True)
             server, _ = read_key(server_key_file)
             return cls(secret=secret, server=server, name=key_name(key_file))
-        secret, server, token = env.pop(ENV_SECRET, None), env.pop(ENV_SERVER, None), env.pop(ENV_TOKEN, None)
-        if bool(secret) != bool(server):
+        env_secret, env_server = env.pop(ENV_SECRET, None), env.pop(ENV_SERVER, None)
+        token = env.pop(ENV_TOKEN, None)
+        if bool(env_secret) != bool(env_server):
             raise KeyFileError(f"{ENV_SECRET} and {ENV_SERVER} must both be set, or neither")
-        return cls(secret=secret.encode() if secret else None,
-                   server=server.encode() if server else None, token=token)
+        return cls(secret=env_secret.encode() if env_secret else None,
+                   server=env_server.encode() if env_server else None, token=token)
 
     def secure(self, sock: zmq.Socket) -> None:
         """Make `sock` a CURVE client of the server whose public key we hold."""
+        if self.secret is None or self.server is None:
+            raise KeyFileError("CURVE needs this device's key pair and the server's public key; "
+                               "a token-only device cannot secure its socket")
         sock.curve_secretkey = self.secret
         sock.curve_publickey = zmq.curve_public(self.secret)
         sock.curve_serverkey = self.server
@@ -158,7 +163,8 @@ def make_keys(directory: Path, devices: int = 0, prefix: str = "edge") -> list[s
     if not (directory / f"{SERVER}.key_secret").exists():
         write_keypair(directory, SERVER)
     taken = {p.stem for p in directory.glob(f"{prefix}-*.key")}
-    names, i = [], 0
+    names: list[str] = []
+    i = 0
     while len(names) < devices:
         name = f"{prefix}-{i}"
         if name not in taken:

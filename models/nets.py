@@ -83,7 +83,7 @@ def build_model(name: str, in_shape: tuple[int, int, int], num_classes: int) -> 
         builder = _BUILDERS[name]
     except KeyError:
         raise ValueError(f"unknown model {name!r}; valid names: {', '.join(MODEL_NAMES)}") from None
-    in_shape = tuple(int(s) for s in in_shape)
-    if len(in_shape) != 3:
-        raise ValueError(f"in_shape must be (C, H, W), got {in_shape}")
-    return builder(in_shape, int(num_classes))
+    shape = tuple(int(s) for s in in_shape)
+    if len(shape) != 3:
+        raise ValueError(f"in_shape must be (C, H, W), got {shape}")
+    return builder(shape, int(num_classes))

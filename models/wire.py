@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 import numpy as np
 
@@ -83,7 +84,7 @@ def encode(msg: Message) -> list:
         if arr.dtype.name not in DTYPES:
             raise ProtocolError(f"tensor {name!r}: dtype {arr.dtype} cannot travel")
         specs.append({"name": name, "dtype": arr.dtype.name, "shape": list(arr.shape)})
-        frames.append(memoryview(arr).cast("B") if arr.size else b"")
+        frames.append(arr.data.cast("B") if arr.size else b"")
     header = {"v": VERSION, "kind": msg.kind, "run": msg.run, "round": int(msg.round),
               "client": int(msg.client), "tensors": specs, "meta": msg.meta}
     return [json.dumps(header, separators=(",", ":")).encode(), *frames]
@@ -187,7 +188,7 @@ def _element_count(name: str, shape) -> int:
     return count
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 

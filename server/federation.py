@@ -187,7 +187,7 @@ def accuracy_stats(metrics: dict[int, dict], newcomers=()) -> dict:
     incumbents' and the newcomers' means are also given apart, so a change can be
     judged over the same clients before and after it."""
     tested = sorted(c for c, m in metrics.items() if m["total"] > 0)
-    out = {"clients_without_test": len(metrics) - len(tested)}
+    out: dict[str, float] = {"clients_without_test": len(metrics) - len(tested)}
     if not tested:
         return {"acc_mean": float("nan"), "acc_se": float("nan"), "acc_var": float("nan"), "n_eval": 0, **out}
     acc = 100.0 * np.array([metrics[c]["correct"] / metrics[c]["total"] for c in tested])

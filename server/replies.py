@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TypeGuard
 
 import numpy as np
 
@@ -90,9 +91,9 @@ def centroids_check(sizes: ShardSizes | None, max_k: int = 64) -> Check:
     return check
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x) -> bool:
+def _is_number(x: object) -> TypeGuard[int | float]:
     return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)

@@ -162,7 +162,7 @@ class Transport:
             if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
                 return None
             frames = self.sock.recv_multipart(copy=False)
-            rid = bytes(frames[0])
+            rid = frames[0].bytes
             ident = self.names.get(rid) or _peer(rid)
             try:
                 msg = decode(frames[1:])
@@ -172,9 +172,10 @@ class Transport:
             payload, header = frame_bytes(frames[1:])
             size = (payload, header + len(frames[0]))
             if msg.kind == "hello" and rid not in self.names:
-                ident = self._admit(rid, frames, msg, size)
-                if ident is None:
+                admitted = self._admit(rid, frames, msg, size)
+                if admitted is None:
                     continue
+                ident = admitted
             if msg.kind != "hello" and ident not in self.devices:
                 self.reject("unknown device", ident, size, f"{msg.kind} (client {msg.client})")
             elif msg.client >= 0 and self.client_device.get(msg.client) != ident:

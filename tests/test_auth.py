@@ -88,6 +88,16 @@ def test_flt_keys_makes_private_key_pairs_and_never_overwrites(key_dir):
     assert res.returncode == 2 and "nope.key_secret" in res.stderr and "Traceback" not in res.stderr
 
 
+def test_a_token_only_device_cannot_secure_a_socket_with_curve():
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        with pytest.raises(keys.KeyFileError, match="token-only device"):
+            keys.Credentials(token="t").secure(sock)
+    finally:
+        sock.close(0)
+
+
 def test_curve_is_the_default_off_loopback_and_needs_keys_for_external_devices(key_dir):
     assert is_loopback("tcp://127.0.0.1:*") and is_loopback("tcp://[::1]:5555")
     assert not is_loopback("tcp://0.0.0.0:5555") and not is_loopback("tcp://10.1.2.3:5555")
