@@ -26,7 +26,8 @@ HEADER = """\
 # data.root is read against this file's folder: ../../../shared/data is the shared data
 #   beside the repository.
 """
-WHY = {100: "the paper's (MNIST's shared classes fall short: the\n#   partitioner splits them evenly, 493-498 train samples each).",
+WHY = {100: "the paper's (MNIST's shared classes fall short: the\n#   partitioner splits them evenly, "
+            "493-498 train samples each).",
        500: "the paper's 600 x 500 would need 300,000\n#   images (MNIST has 60,000); with each "
             "shared class split among 200 clients, 87 is\n#   what its scarcest one (class 4) gives."}
 
