@@ -38,7 +38,9 @@ class Field:
     open_min: bool = False            # min is exclusive
     rule: Callable[[Any], str | None] | None = None  # extra check: returns what was expected, or None
 
-    def check(self, value, where: str):
+    def check(self, value: Any, where: str) -> Any:
+        """`value` checked against this field (ints widened to float where a float is
+        expected, a nested section validated); a ConfigError naming `where` if it fails."""
         if value is None:
             if self.nullable:
                 return None
@@ -102,5 +104,5 @@ class MethodSpec:
     params: dict = field(default_factory=dict)
     label: str = ""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.label = self.label or self.name
