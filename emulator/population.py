@@ -33,6 +33,14 @@ class Schedule:
     drift: dict[int, list[dict]] = field(default_factory=dict)
 
 
+def _missing_callback(arg: str, kind: str) -> Callable:
+    """Stands in for a callback that was not given: a schedule may hold events that a
+    Population built without it never reaches, but reaching one is a bug, said plainly."""
+    def fail(rnd: int, *_: object) -> None:
+        raise RuntimeError(f"Population: a {kind} event at round {rnd} but no `{arg}` callback was given")
+    return fail
+
+
 class Population:
     def __init__(self, n_clients: int, rho: float, seed: int, profiles: Profiles | None = None,
                  schedule: Schedule | None = None, sampling: str = "uniform",
@@ -44,7 +52,8 @@ class Population:
         self.sampling, self.deadline_s, self.overcommit = sampling, deadline_s, overcommit
         self.batch_size, self.epochs, self.n_train = batch_size, epochs, n_train
         self.realtime = realtime  # wall seconds per emulated second; None: no real waiting
-        self.arrive_cb, self.drift_cb = arrive, drift
+        self.arrive_cb = arrive or _missing_callback("arrive", "newcomer")
+        self.drift_cb = drift or _missing_callback("drift", "drift")
         late = np.concatenate(list(self.schedule.arrivals.values()) or [np.zeros(0, np.int64)])
         self.present = np.ones(n_clients, dtype=bool)
         self.present[late.astype(np.int64)] = False
@@ -117,6 +126,8 @@ class Population:
         clients = np.array(sorted(tasks), dtype=np.int64)
         down = np.array([0 if tasks[c].models is None else tasks[c].models.numel() * 4 for c in clients])
         up = np.array([0 if tasks[c].models is None else tasks[c].models[0].numel() * 4 for c in clients])
+        if self.n_train is None:
+            raise ValueError("Population: realtime mode with profiles needs n_train (samples per client)")
         steps = np.ceil(self.n_train[clients] / self.batch_size) * self.epochs
         secs = task_seconds(self.profiles, clients, batch_size=self.batch_size, steps=steps,
                             bytes_down=down, bytes_up=up)

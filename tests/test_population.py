@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from emulator.config import parse_methods
-from emulator.population import Population, schedule_from
+from emulator.population import Population, Schedule, schedule_from
 from emulator.profiles import Profiles
 from server.strategies.base import Context, Result
 from server.strategies.flt import FLT
@@ -85,6 +85,13 @@ def test_schedule_withholds_a_cluster_and_swaps_without_duplicates():
     assert all(truth[b] == 2 for _, b in pairs) and len({b for _, b in pairs}) == 2
     pop = Population(20, 1.0, 0, schedule=sched)
     assert set(pop.candidates(1).tolist()) == set(range(15))
+
+
+def test_an_event_reached_without_its_callback_says_which():
+    pop = Population(6, 1.0, 0, schedule=Schedule(arrivals={3: np.array([4, 5])}))
+    assert pop.before_round(2, fed=None, strategy=None) == []  # built without it is fine
+    with pytest.raises(RuntimeError, match="newcomer event at round 3 but no `arrive` callback"):
+        pop.before_round(3, fed=None, strategy=None)
 
 
 def test_recluster_fires_exactly_when_flags_pass_lambda(tmp_path, monkeypatch):
