@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path, PurePath
+from typing import Any
 
 import numpy as np
 import torch
@@ -100,31 +101,34 @@ def unpack(node, arrays: dict, device: torch.device):
         return torch.from_numpy(arrays[body].copy()).to(device)
     if tag == "$np_rng":
         state = unpack(body, arrays, device)
-        gen = np.random.Generator(getattr(np.random, state["bit_generator"])())
-        gen.bit_generator.state = state
-        return gen
+        np_gen = np.random.Generator(getattr(np.random, state["bit_generator"])())
+        np_gen.bit_generator.state = state
+        return np_gen
     if tag == "$torch_rng":
-        gen = torch.Generator()
-        gen.set_state(torch.from_numpy(arrays[body].copy()))
-        return gen
+        torch_gen = torch.Generator()
+        torch_gen.set_state(torch.from_numpy(arrays[body].copy()))
+        return torch_gen
     if tag == "$path":
         return Path(body)
     if tag == "$device":
         return torch.device(body)
     if tag == "$object":
-        obj = _project_class(body).__new__(_project_class(body))
+        cls: Any = _project_class(body)  # Any: type's own __new__ overloads would not fit
+        obj = cls.__new__(cls)
         obj.__dict__.update(unpack(rest[0][1], arrays, device))
         return obj
     raise CheckpointError(f"unknown checkpoint tag {tag!r}")
 
 
-def _project_class(name: str) -> type:
+def _project_class(name: str) -> type[Any]:
     module, _, qualname = name.partition(":")
     if module.split(".")[0] not in PROJECT_PACKAGES:
         raise CheckpointError(f"checkpoint names class {name!r} outside this project")
-    obj = importlib.import_module(module)
+    obj: object = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise CheckpointError(f"checkpoint names {name!r}, which is not a class")
     return obj
 
 

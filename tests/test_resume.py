@@ -61,6 +61,12 @@ def test_checkpoint_refuses_a_foreign_object_by_its_path(tmp_path):
     assert not (tmp_path / "c.npz").exists()
 
 
+def test_a_checkpoint_naming_a_project_function_as_a_class_is_refused():
+    node = {"$object": "server.checkpoint:save", "attrs": {"$dict": []}}
+    with pytest.raises(CheckpointError, match=r"'server\.checkpoint:save', which is not a class"):
+        checkpoint.unpack(node, {}, torch.device("cpu"))
+
+
 def test_restore_keeps_a_live_defaultdict_and_fills_nested_objects(tmp_path):
     live = Ledger()
     saved = Ledger()
