@@ -31,7 +31,7 @@ from sklearn.metrics import silhouette_score
 
 SPACES = ("embedding", "umap")
 DISTANCES = ("chamfer", "hausdorff", "min")
-LINKAGES = ("average", "complete", "single", "ward_graph")
+LINKAGES = ("average", "complete", "single", "ward", "ward_graph")  # ward: on A, as if Euclidean
 CHOOSERS = ("silhouette", "gap")
 
 

@@ -1,5 +1,7 @@
 """FCR's server side on synthetic centroids with known structure: the set distances
 against a double loop, and clusterings that must not depend on the data's scale."""
+import dataclasses
+
 import numpy as np
 import pytest
 from scipy.spatial.distance import cdist
@@ -116,3 +118,12 @@ def test_ward_on_the_graph_needs_gamma_and_the_scenario_says_so():
     assert spec.params["relatedness"] == "paper"
     with pytest.raises(ConfigError, match="distance"):
         parse_methods([{"name": "flt", "distance": "cosine"}])
+
+
+def test_ward_linkage_on_a_with_a_given_number_of_clusters():
+    # noisy sets: the clusters overlap more than in the default's cases, as on CIFAR-10
+    sets, truth = planted(n_clients=50, spread=1.5, seed=2)
+    how = dataclasses.replace(fcr.PRESETS["set"], linkage="ward")
+    got = fcr.relate(sets, how, n_clusters=5)
+    assert got.n_clusters == 5 and len(got.linkage) == 49
+    assert adjusted_rand_score(truth, got.labels) > 0.9

@@ -91,7 +91,7 @@ RELATEDNESS = {
                    "'umap'", nullable=True, choices=fcr.SPACES),
     "distance": Field(str, None, "override A_ij between two clients' centroid sets: chamfer, hausdorff "
                       "or min (the single closest pair)", nullable=True, choices=fcr.DISTANCES),
-    "linkage": Field(str, None, "override the clustering: average, complete or single linkage on A, or "
+    "linkage": Field(str, None, "override the clustering: average, complete, single or ward linkage on A, or "
                      "ward_graph (Ward on the rows of A~; needs gamma)", nullable=True, choices=fcr.LINKAGES),
     "choose_clusters": Field(str, None, "override how clusters: auto picks C: silhouette of A or the "
                              "largest dendrogram gap", nullable=True, choices=fcr.CHOOSERS),
