@@ -52,7 +52,9 @@ TRAIN = {
     "lr": Field(float, 0.01, "local SGD learning rate", min=0, open_min=True),
     "eval_every": Field(int, 1, "evaluate every n rounds (and at the last)", min=1),
     "target_accuracy": Field(float, None, "accuracy (%) for rounds/bytes-to-target", nullable=True, min=0, max=100),
-    "vectorize": Field(bool, True, "train a device's cohort in one vmapped call"),
+    "vectorize": Field((bool, str), "auto", "train a device's cohort in one vmapped call (true), one client "
+                       "at a time (false), or auto: vmap on a GPU and for the MLP, the loop for CNNs on a CPU",
+                       choices=("auto",)),
 }
 
 DEVICES = {

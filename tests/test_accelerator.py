@@ -7,7 +7,7 @@ import torch
 from test_end_to_end import QUICKSTART, flt  # tests/ is on sys.path under pytest
 
 from devices.device import accelerator, client_generator
-from devices.trainer import CohortTrainer, TrainConfig
+from devices.trainer import CohortTrainer, TrainConfig, use_vmap
 from models.flat import flatten, param_spec
 from models.nets import build_model
 
@@ -66,3 +66,21 @@ def test_a_run_on_the_gpu_learns_and_says_where_it_trained(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["methods"]["flt"]["final_accuracy"] > 50.0
     assert "on cuda" in (tmp_path / "logs" / "dev-0.log").read_text()
+
+
+def test_auto_vectorize_takes_the_loop_for_cnns_on_a_cpu_and_vmap_elsewhere():
+    mlp, cnn = build_model("mlp", (1, 28, 28), 10), build_model("leaf_cnn", (1, 28, 28), 62)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert use_vmap("auto", mlp, cpu) and not use_vmap("auto", cnn, cpu)
+    assert use_vmap("auto", cnn, gpu) and use_vmap("auto", mlp, gpu)
+    assert use_vmap(True, cnn, cpu) and not use_vmap(False, mlp, gpu)  # an explicit choice stands
+
+
+def test_a_scenario_accepts_auto_or_a_bool_for_vectorize_and_names_the_field_otherwise():
+    from emulator import config
+    from models.schema import ConfigError
+
+    for value in ("auto", "true", "false"):
+        assert config.load(QUICKSTART, [f"train.vectorize={value}"])["train"]["vectorize"] in ("auto", True, False)
+    with pytest.raises(ConfigError, match=r"train\.vectorize"):
+        config.load(QUICKSTART, ["train.vectorize=fast"])

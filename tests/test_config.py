@@ -138,7 +138,7 @@ def test_overrides_are_applied_and_resolved_config_is_saved(one_round_run):
     # the saved config runs again as it is
     assert config.load(one_round_run / "config.yaml")["train"]["rounds"] == 1
     # defaults the quickstart does not mention are filled in
-    assert saved["train"]["vectorize"] is True
+    assert saved["train"]["vectorize"] == "auto"
     assert saved["train"]["target_accuracy"] is None
     assert saved["devices"]["threads"] == 1
     assert saved["devices"]["round_timeout_s"] == 120.0
