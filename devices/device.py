@@ -24,8 +24,8 @@ import numpy as np
 import torch
 import zmq
 
-from devices import embedding
-from devices.trainer import CohortTrainer, TrainConfig
+from devices import ops
+from devices.trainer import CohortTrainer
 from models.flat import param_spec
 from models.keys import Credentials, HandshakeWatch
 from models.nets import build_model
@@ -101,7 +101,7 @@ class Device:
                 return 0
             if msg.kind in handlers:
                 self._guard(handlers[msg.kind], msg)
-            elif msg.kind in ("train", "evaluate", "encoder", "snapshot"):
+            elif msg.kind in ops.TASK_KINDS:
                 self.collect(msg)
             else:
                 self.rejected += 1
@@ -178,14 +178,6 @@ class Device:
             self.resident.pop(msg.client, None)
         (self.flags.add if msg.meta.get("flag") else self.flags.discard)(msg.client)
 
-    def snapshot(self, batch: list[Message]) -> list[Message]:
-        """What this device keeps for each client (Local's model, the change flag), for the
-        server's checkpoint: a resumed run gets it back with on_state."""
-        return [Message("state", m.round, m.client,
-                        tensors={"model": self.resident[m.client].numpy()} if m.client in self.resident else {},
-                        meta={"batch": m.meta["batch"], "flag": int(m.client in self.flags)})
-                for m in batch]
-
     # -- cohorts --------------------------------------------------------------------
     def collect(self, msg: Message) -> None:
         batch_id = msg.meta.get("batch")
@@ -210,12 +202,12 @@ class Device:
             self._process(batch)
 
     def _process(self, batch: list[Message]) -> None:
+        """Run the cohort's operation from the registry (devices/ops.py); any failure,
+        an unknown operation included, is an error reply per client, naming the cause."""
         kind = batch[0].kind
-        handler = {"train": self.train, "evaluate": self.evaluate, "encoder": self.encode_fcr,
-                   "snapshot": self.snapshot}[kind]
         try:
             start = time.monotonic()
-            replies = handler(batch)
+            replies = ops.lookup(ops.op_name(batch[0]))(self, batch)
             delay = {m.client: m.meta.get("delay_s", 0.0) for m in batch}
             for reply in sorted(replies, key=lambda r: delay.get(r.client, 0.0)):
                 wait = start + delay.get(reply.client, 0.0) - time.monotonic()
@@ -228,89 +220,6 @@ class Device:
                 self.send(Message("error", m.round, m.client,
                                   meta={"reason": f"{type(exc).__name__}: {exc}", "for": kind,
                                         "batch": m.meta["batch"]}))
-
-    def _generators(self, batch: list[Message]) -> list[torch.Generator]:
-        return [client_generator(m.meta.get("seed", 0), m.client) for m in batch]
-
-    def _start_models(self, batch: list[Message]) -> list[torch.Tensor]:
-        """Candidate models [K, P] per message: the ones sent, or the device's own copy."""
-        rows = []
-        for m in batch:
-            if m.meta.get("resident"):  # Local: the client's own model lives on the device
-                if m.client not in self.resident:
-                    sent = m.tensors.get("model")
-                    self.resident[m.client] = self.init.clone() if sent is None else \
-                        torch.from_numpy(np.array(sent[0], dtype=np.float32))
-                rows.append(self.resident[m.client][None])
-            else:
-                rows.append(torch.from_numpy(np.array(m.tensors["model"], dtype=np.float32)))
-        return rows
-
-    def train(self, batch: list[Message]) -> list[Message]:
-        gens = self._generators(batch)
-        shards = [self.shards[m.client] for m in batch]
-        xs, ys = [s.x for s in shards], [s.y for s in shards]
-        candidates = self._start_models(batch)
-        choice = [0] * len(batch)
-        if any(len(c) > 1 for c in candidates):  # IFCA: pick the candidate with lowest loss
-            choice = self._choose(candidates, xs, ys)
-        start = torch.stack([c[k] for c, k in zip(candidates, choice)]).to(self.accel)
-        m0 = batch[0].meta
-        cfg = TrainConfig(epochs=m0["epochs"], batch_size=m0["batch_size"], lr=m0["lr"],
-                          prox_mu=m0.get("prox_mu", 0.0), vectorize=m0.get("vectorize", True))
-        trained, losses = (t.cpu() for t in self.trainer.train(start, xs, ys, cfg, gens))
-        replies = []
-        for i, m in enumerate(batch):
-            meta = {"batch": m.meta["batch"], "n": len(xs[i]), "loss": float(losses[i]),
-                    "choice": choice[i], "flag": int(m.client in self.flags),
-                    "steps": -(-len(xs[i]) // cfg.batch_size) * cfg.epochs}
-            # the flag stays up until the client re-embeds: an update the server drops
-            # (a straggler) must not lose it
-            if m.meta.get("resident"):
-                self.resident[m.client] = trained[i].clone()
-                replies.append(Message("update", m.round, m.client, meta=meta))
-            else:
-                replies.append(Message("update", m.round, m.client,
-                                       tensors={"model": trained[i].numpy()}, meta=meta))
-        return replies
-
-    def _choose(self, candidates: list[torch.Tensor], xs, ys) -> list[int]:
-        """Index of the candidate model with the lowest loss on each client's own data;
-        one vectorized pass when the whole cohort got the same candidates (IFCA's case)."""
-        first = candidates[0]
-        if all(c.shape == first.shape and torch.equal(c, first) for c in candidates[1:]):
-            return self.trainer.losses_of(first.to(self.accel), xs, ys).argmin(1).tolist()
-        return [int(self.trainer.losses_of(c.to(self.accel), [x], [y]).argmin())
-                for c, x, y in zip(candidates, xs, ys)]
-
-    def evaluate(self, batch: list[Message]) -> list[Message]:
-        models = torch.stack([c[0] for c in self._start_models(batch)]).to(self.accel)
-        shards = [self.shards[m.client] for m in batch]
-        correct, total, loss = self.trainer.evaluate(models, [s.x_test for s in shards],
-                                                     [s.y_test for s in shards])
-        return [Message("metrics", m.round, m.client,
-                        meta={"batch": m.meta["batch"], "correct": float(correct[i]),
-                              "total": float(total[i]), "loss": float(loss[i])})
-                for i, m in enumerate(batch)]
-
-    def encode_fcr(self, batch: list[Message]) -> list[Message]:
-        meta, t = batch[0].meta, batch[0].tensors
-        xs = [self.shards[m.client].x for m in batch]
-        if meta["format"] != "autoencoder":  # onnxruntime and numpy read host memory
-            xs = [x.cpu() for x in xs]
-        if meta["format"] == "onnx":
-            embs = embedding.embed_onnx(t["onnx"], xs)
-        elif meta["format"] == "linear":
-            embs = embedding.embed_linear(t["components"], t["mean"], xs)
-        else:
-            embs = embedding.embed_finetuned(t["weights"], meta, xs, self._generators(batch))
-        out = []
-        for m, e in zip(batch, embs):
-            c = embedding.centroids(e, meta["k"], seed=client_seed(meta["seed"], m.client))
-            self.flags.discard(m.client)
-            out.append(Message("centroids", m.round, m.client, tensors={"centroids": c},
-                               meta={"batch": m.meta["batch"], "n": len(e)}))
-        return out
 
 
 def accelerator(choice: str, name: str) -> torch.device:

@@ -51,7 +51,11 @@ KINDS = {
     "shutdown": "control",    # server -> device: exit
     "snapshot": "control",    # server -> client: send what the device keeps for you (checkpoint)
     "state": "control",       # client -> server and back on resume: Local's model, change flag
+    "task": "control",        # server -> client: a method's own device op, named in meta "op"
+    "result": "control",      # client -> server: that op's answer
 }
+# a generic task or result is billed under its meta "traffic" (default control)
+GENERIC_KINDS = ("task", "result")
 TRAFFIC_CLASSES = ("model", "embedding", "encoder", "evaluation", "control")
 DTYPES = {"float32", "float64", "int64", "int32", "uint8"}
 
@@ -71,6 +75,8 @@ class Message:
 
     @property
     def traffic(self) -> str:
+        if self.kind in GENERIC_KINDS:
+            return self.meta.get("traffic", "control")
         return KINDS[self.kind]
 
 
@@ -78,6 +84,7 @@ def encode(msg: Message) -> list:
     """Header + one contiguous buffer per tensor (zero-copy where possible)."""
     if msg.kind not in KINDS:
         raise ProtocolError(f"unknown message kind {msg.kind!r}")
+    _check_generic(msg.kind, msg.meta)
     specs, frames = [], []
     for name, arr in msg.tensors.items():
         arr = np.ascontiguousarray(arr)
@@ -104,6 +111,7 @@ def decode(frames: list) -> Message:
     kind = header.get("kind")
     if not isinstance(kind, str) or kind not in KINDS:
         raise ProtocolError(f"unknown message kind {_short(kind)}")
+    _check_generic(kind, header.get("meta"))
     for key in ("round", "client"):
         value = header.get(key)
         if not _is_int(value) or not -1 <= value < MAX_INDEX:
@@ -126,6 +134,18 @@ def decode(frames: list) -> Message:
         tensors[name] = arr
     return Message(kind=kind, round=header["round"], client=header["client"],
                    tensors=tensors, meta=meta, run=run)
+
+
+def _check_generic(kind: str, meta) -> None:
+    """A task or result names its op (a short string) and bills a known traffic class."""
+    if kind not in GENERIC_KINDS:
+        return
+    op = meta.get("op") if isinstance(meta, dict) else None
+    if not isinstance(op, str) or not 0 < len(op) <= 40:
+        raise ProtocolError(f"a {kind} needs meta 'op', a string of 1 to 40 characters, not {_short(op)}")
+    if meta.get("traffic", "control") not in TRAFFIC_CLASSES:
+        raise ProtocolError(f"{kind} {op!r}: meta 'traffic' must be one of {', '.join(TRAFFIC_CLASSES)}, "
+                            f"not {_short(meta.get('traffic'))}")
 
 
 def _header(frame) -> tuple[dict, int]:

@@ -49,6 +49,9 @@ class Context:
 class Strategy:
     name = "base"
     PARAMS: dict[str, Field] = {}
+    # the device half: operations the method's tasks name (devices/ops.py registers them;
+    # an op of the method's own lives in devices/methods/<op>.py)
+    DEVICE_OPS: tuple[str, ...] = ("train", "evaluate")
     TRANSIENT = ("ctx",)  # given at construction, not changed by the rounds
 
     def __init__(self, ctx: Context, **params):
@@ -111,6 +114,31 @@ def weighted_average(models: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
     order in which clients finished (no in-place running average)."""
     w = weights.to(models.dtype)
     return (w / w.sum()) @ models
+
+
+def cluster_average(models: torch.Tensor, n: torch.Tensor, responsibilities: torch.Tensor,
+                    keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The M-step of every clustered method: cluster c's model is
+        W_c = sum_b r_cb n_b w_b / sum_b r_cb n_b
+    over client models `models` [B, P] with sample counts `n` [B] and responsibilities
+    [C, B], hard (one-hot columns, `one_hot`) or soft (columns summing to 1), as one
+    matrix product. A cluster with no mass this round keeps its row of `keep` [C, P]
+    (zeros without it)."""
+    weights = responsibilities.to(models.dtype) * n.to(models.dtype)[None, :]   # [C, B]
+    mass = weights.sum(1)
+    hit = mass > 0
+    out = torch.zeros(len(weights), models.shape[1], dtype=models.dtype, device=models.device) \
+        if keep is None else keep.clone()
+    out[hit] = (weights[hit] / mass[hit, None]) @ models
+    return out
+
+
+def one_hot(labels, clusters: int, like: torch.Tensor) -> torch.Tensor:
+    """Hard responsibilities [C, B]: 1 where client b belongs to cluster labels[b]."""
+    idx = torch.as_tensor(labels, device=like.device)
+    r = torch.zeros(clusters, len(idx), dtype=like.dtype, device=like.device)
+    r[idx, torch.arange(len(idx), device=like.device)] = 1
+    return r
 
 
 def stack(results: dict[int, Result], clients) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,7 @@ import torch
 
 from models.schema import Field, validate
 from server.fcr_report import agreement
-from server.strategies.base import Result, Strategy, Task, stack, weighted_average
+from server.strategies.base import Result, Strategy, Task, cluster_average, one_hot, stack, weighted_average
 
 
 class FedSEM(Strategy):
@@ -108,21 +108,25 @@ class FedSEM(Strategy):
                 return
             self.centres = self.kmeanspp(models)
             self.init_round = int(rnd)
-        # E-step: nearest centre in L2 parameter distance
+        # M-step: per-centre sample-weighted average of this round's members
+        self.centres = cluster_average(models, n, self.e_step(rnd, clients, models), keep=self.centres)
+
+    def e_step(self, rnd: int, clients: list[int], models: torch.Tensor) -> torch.Tensor:
+        """Responsibilities [K, s] of this round's models; every client's centre becomes
+        its most responsible one. Outside re-assignment rounds an assigned client keeps its
+        centre (one-hot)."""
         old = self.assign[clients]
         redo = (old < 0) | (rnd % self.every == 0)
-        new = np.where(redo, self.nearest(models), old)
+        resp = self.responsibilities(models)
+        new = np.where(redo, resp.argmax(0).cpu().numpy(), old)
         self.moves += int(((old >= 0) & (new != old)).sum())
         self.assign[clients] = new
-        # M-step: per-centre sample-weighted average of this round's members
-        onehot = torch.zeros(self.k, len(clients), dtype=models.dtype, device=models.device)
-        onehot[torch.as_tensor(new, device=models.device), torch.arange(len(clients), device=models.device)] = 1
-        weights = onehot * n[None, :]
-        mass = weights.sum(1)
-        hit = mass > 0
-        centres = self.centres.clone()
-        centres[hit] = (weights[hit] / mass[hit, None]) @ models
-        self.centres = centres
+        return torch.where(torch.as_tensor(redo, device=models.device)[None], resp,
+                           one_hot(new, self.k, models))
+
+    def responsibilities(self, models: torch.Tensor) -> torch.Tensor:
+        """The paper's hard E-step: nearest centre in L2 parameter distance, one-hot [K, s]."""
+        return one_hot(self.nearest(models), self.k, models)
 
     def eval_models(self, clients):
         clients = np.asarray(clients, dtype=np.int64)

@@ -45,7 +45,7 @@ from scenarios.errors import DeviceError
 from server import encoder as enc
 from server import fcr
 from server.fcr_report import agreement, plot_fcr
-from server.strategies.base import Result, Strategy, Task, stack, weighted_average
+from server.strategies.base import Result, Strategy, Task, cluster_average, one_hot, stack, weighted_average
 
 
 def _fcr_bytes(fed) -> int:
@@ -108,6 +108,7 @@ RELATEDNESS = {
 
 class FLT(Strategy):
     name = "flt"
+    DEVICE_OPS = ("train", "evaluate", "embed")  # embed: FCR's encoder and k-means (also PCA+kM+HC)
     PARAMS = {
         "encoder": section(ENCODER, "the ConvAE encoder"),
         "k": Field((int, str), 5, "k-means centroids per client, or 'auto' (silhouette, per client)",
@@ -389,12 +390,15 @@ class FLT(Strategy):
             self._aggregate_graph(results)
 
     def _aggregate_clusters(self, rnd, results):
-        new = self.models.clone()
-        for c in np.unique(self.labels[sorted(results)]):
-            members = [m for m in sorted(results) if self.labels[m] == c]
-            models, n = stack(results, members)
-            new[c] = weighted_average(models, n)
-            self._monitor(rnd, members, models - self.models[c], new[c] - self.models[c])
+        """Case II: FedAvg inside each cluster; a cluster with no member back keeps its model."""
+        sel = sorted(results)
+        models, n = stack(results, sel)
+        labels = self.labels[sel]
+        new = cluster_average(models, n, one_hot(labels, len(self.models), models), keep=self.models)
+        for c in np.unique(labels):
+            mine = labels == c
+            rows = torch.as_tensor(mine, device=models.device)
+            self._monitor(rnd, np.asarray(sel)[mine].tolist(), models[rows] - self.models[c], new[c] - self.models[c])
         self.models = new
 
     def _monitor(self, rnd: int, members: list[int], updates: torch.Tensor, mean_update: torch.Tensor) -> None:

@@ -37,7 +37,7 @@ import torch
 
 from models.schema import Field, validate
 from server.fcr_report import agreement
-from server.strategies.base import Result, Strategy, Task, stack, weighted_average
+from server.strategies.base import Result, Strategy, Task, cluster_average, one_hot, stack, weighted_average
 
 log = logging.getLogger("flt.server")
 
@@ -113,14 +113,8 @@ class IFCA(Strategy):
             if not clients:
                 return
         models, n = stack(results, clients)                                   # [s, P], [s]
-        onehot = torch.zeros(self.c, len(clients), dtype=models.dtype, device=models.device)
-        onehot[torch.as_tensor(choice, device=models.device), torch.arange(len(clients), device=models.device)] = 1
-        weights = onehot * n[None, :]                                         # [C, s]
-        mass = weights.sum(1)
-        chosen = mass > 0
-        new = self.models.clone()
-        new[chosen] = (weights[chosen] / mass[chosen, None]) @ models         # per-cluster FedAvg
-        self.models = new
+        # per-cluster FedAvg; a cluster nobody chose keeps its model
+        self.models = cluster_average(models, n, one_hot(choice, self.c, models), keep=self.models)
         self.choice[clients] = choice
         if self.params["reinit_empty"]:
             self._reinit_empty(rnd)
