@@ -74,6 +74,11 @@ DEVICES = {
                       choices=SECURITY),
     "keys": Field(str, None, "folder made by `flt keys DIR`: the server's key pair and the public keys "
                   "of the devices started by hand that may join", nullable=True),
+    "launcher": Field(str, "local", "who starts the device processes: local (processes on this machine) "
+                      "or ray (Ray actors on a cluster's nodes; pip install 'flt-emulator[ray]')",
+                      choices=("local", "ray")),
+    "ray_address": Field(str, None, "launcher ray: the cluster for ray.init (auto, HOST:6379); default: a "
+                         "running cluster if there is one, else a local Ray instance", nullable=True),
 }
 
 PROFILES = {
@@ -205,6 +210,7 @@ def resolve(raw: dict) -> dict:
     d = cfg["devices"]
     if problem := security_problem(d["bind"], d["security"], d["keys"], d["external"]):
         raise ConfigError(problem)
+    _check_launcher(d)
     p = cfg["partition"]
     if p["kind"] in ("clusters", "structured") and p["classes_per_cluster"] <= p["shared_classes"]:
         raise ConfigError("partition.shared_classes: must be smaller than partition.classes_per_cluster")
@@ -216,6 +222,15 @@ def resolve(raw: dict) -> dict:
         if isinstance(spec["params"].get("encoder"), dict):
             _check_encoder(spec["params"]["encoder"], cfg, f"methods[{i}]({spec['label']}).encoder")
     return cfg
+
+
+def _check_launcher(devices: dict) -> None:
+    if devices["ray_address"] is not None and devices["launcher"] != "ray":
+        raise ConfigError("devices.ray_address: only used with devices.launcher: ray")
+    if devices["launcher"] == "ray":
+        from emulator.ray_launcher import import_ray
+
+        import_ray()  # not installed: stop here, naming the field and the install command
 
 
 def _check_distribution(profiles: dict | None) -> None:

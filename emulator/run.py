@@ -22,7 +22,7 @@ from models.flat import flatten
 from models.nets import build_model
 from models.wire import Message
 from scenarios import partition as part
-from scenarios.datasets import Dataset, load_dataset
+from scenarios.datasets import Dataset, load_shared
 from scenarios.errors import DeviceError
 from server import checkpoint
 from server.auth import gate_for
@@ -46,8 +46,9 @@ def make_run_dir(cfg: dict, out: str | None) -> Path:
 
 def load_data(cfg: dict) -> tuple[Dataset, Dataset]:
     d = cfg["data"]
-    return (load_dataset(d["dataset"], d["root"], train=True, download=d["download"]),
-            load_dataset(d["dataset"], d["root"], train=False, download=d["download"]))
+    # mapped, not copied: the server reads labels only, and shares the pages with its devices
+    return (load_shared(d["dataset"], d["root"], train=True, download=d["download"]),
+            load_shared(d["dataset"], d["root"], train=False, download=d["download"]))
 
 
 def hold_out_public(cfg: dict, n_train: int) -> np.ndarray:
@@ -223,8 +224,7 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print, resume: bool
     d = cfg["devices"]
     transport = Transport(d["bind"], gate_for(d["bind"], d["security"], d["keys"], d["external"]),
                           max_inbound=init.numel() * init.element_size())  # devices upload one model at most
-    fleet = processes.DeviceFleet(transport.endpoint, run_dir / "logs", cfg["devices"]["threads"],
-                                  cfg["devices"]["crash"], enroll=transport.gate.enroll)
+    fleet = processes.make_fleet(d, transport.endpoint, run_dir / "logs", enroll=transport.gate.enroll)
     transport.alive = fleet.alive
     summary = report.finished_methods(run_dir, cfg) if resume else \
         {"scenario": cfg["name"], "methods": {}, "partition_notes": partition.notes}
