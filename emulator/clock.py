@@ -86,10 +86,15 @@ def task_times(
     steps,
     bytes_down,
     bytes_up,
+    forward_samples=0,
     measured_compute_s=None,
     reference_ms_per_sample=None,
 ) -> TaskTimes:
-    """Download + local training + upload for each of ``clients`` (see task_seconds)."""
+    """Download + local work + upload for each of ``clients`` (see task_seconds).
+
+    ``forward_samples`` adds inference-only work (embedding a shard with an encoder): one
+    forward pass per sample, ``ms_per_sample`` each, where a trained sample costs three.
+    """
     c = np.asarray(clients, dtype=np.int64).reshape(-1)
     n = c.size
     ms = profiles.ms_per_sample[c]
@@ -112,6 +117,9 @@ def task_times(
         if np.any(~(meas >= 0)):
             raise ValueError("task_seconds: measured_compute_s must be >= 0")
         comp = meas * (ms / ref)
+    fwd = np.broadcast_to(np.asarray(forward_samples, np.float64), (n,))
+    if np.any(fwd > 0):
+        comp = comp + compute_seconds(ms, 1, fwd, factor=1.0)
     return TaskTimes(np.asarray(down, np.float64), np.asarray(comp, np.float64), np.asarray(up, np.float64))
 
 
@@ -119,7 +127,7 @@ def task_seconds(profiles, clients, **times) -> np.ndarray:
     """Seconds each client needs for a round: download + compute + upload.
 
     Takes task_times' keywords (``batch_size``, ``steps``, ``bytes_down``, ``bytes_up``,
-    optionally ``measured_compute_s`` with ``reference_ms_per_sample``); scalars or
+    optionally ``forward_samples``, ``measured_compute_s`` with ``reference_ms_per_sample``); scalars or
     per-client arrays. Compute is FedScale's formula, or a real measurement on the host
     rescaled to each device's speed (``measured * ms_per_sample / reference``).
     """

@@ -7,7 +7,9 @@
   its device profile (FedScale's model, emulator/clock.py); the round ends at the
   slowest kept client or at the deadline; stragglers and clients whose availability
   window closes mid-task are dropped (their bytes still count). Over-commitment draws
-  ceil(k * factor) clients and keeps the k fastest.
+  ceil(k * factor) clients and keeps the k fastest. Every other exchange a method
+  starts (FLT's FCR, a re-clustering) is priced the same way through `price`, so
+  one-off work costs emulated time too.
 - Arrivals and drift: scheduled newcomers (a planted cluster withheld until a round,
   joining as a new device process) and drifting clients (their data swaps with a client
   of another cluster, and they raise the flag delta). The emulator supplies the two
@@ -139,26 +141,35 @@ class Population:
             return self.deadline_s * self.realtime
         return default_s
 
-    def close_round(self, rnd: int, results: dict, fed) -> tuple[dict, dict]:
+    def price(self, kind: str, clients, bytes_down, bytes_up, forward_samples=0,
+              trained_samples=0) -> tuple[np.ndarray, dict]:
+        """Put one exchange on the emulated clock: every answering client downloads, works
+        (inference passes and trained samples, FedScale's arithmetic) and uploads.
+        Returns (the clients whose replies count, the clock's report: `duration_s`, the
+        clock after it as `emulated_s`, stragglers, dropouts); without profiles everyone
+        counts and nothing is reported.
+
+        A round (`train`) is synchronous: it ends at the slowest kept client or the
+        deadline, drops stragglers and clients whose availability window closes mid-task,
+        and with over-commitment keeps the fastest. Any other exchange (FCR's encoder and
+        centroids, a re-embedding) waits for every reply: a client cut off there would be
+        left without a cluster for the whole run."""
+        ids = np.asarray(clients, dtype=np.int64).reshape(-1)
         if self.profiles is None:
-            return results, {}
-        if not results:  # nobody answered in time: the round lasted its deadline
+            return ids, {}
+        rounds = kind == "train"
+        if rounds and not ids.size:  # nobody answered in time: the round lasted its deadline
             self.clock.advance(self.deadline_s or 0.0)
-            return results, {"round_s": self.deadline_s or 0.0, "emulated_s": self.clock.now_s,
-                             "stragglers": 0, "dropouts": 0}
-        clients = np.array(sorted(results), dtype=np.int64)
-        down = np.array([fed.round_bytes[c][0] for c in clients], dtype=np.float64)
-        up = np.array([fed.round_bytes[c][1] for c in clients], dtype=np.float64)
-        steps = np.array([results[c].meta.get("steps", 0) for c in clients], dtype=np.float64)
-        durations = task_seconds(self.profiles, clients, batch_size=self.batch_size, steps=steps,
-                                 bytes_down=down, bytes_up=up)
-        keep = self.target if self.overcommit > 1.0 else None
-        outcome = close_round(clients, durations, start_s=self.clock.now_s, deadline_s=self.deadline_s,
-                              keep=keep, online_until=self.profiles.online_until(clients, self.clock.now_s))
+            return ids, {"duration_s": self.deadline_s or 0.0, "emulated_s": self.clock.now_s,
+                         "stragglers": 0, "dropouts": 0}
+        durations = task_seconds(self.profiles, ids, batch_size=1, steps=trained_samples,
+                                 forward_samples=forward_samples, bytes_down=bytes_down, bytes_up=bytes_up)
+        cut = {"deadline_s": self.deadline_s, "keep": self.target if self.overcommit > 1.0 else None,
+               "online_until": self.profiles.online_until(ids, self.clock.now_s)} if rounds else {}
+        outcome = close_round(ids, durations, start_s=self.clock.now_s, **cut)
         self.clock.advance(outcome.duration_s)
-        kept = {int(c): results[int(c)] for c in outcome.kept}
-        return kept, {"round_s": outcome.duration_s, "emulated_s": self.clock.now_s,
-                      "stragglers": int(len(outcome.stragglers)), "dropouts": int(len(outcome.dropouts))}
+        return outcome.kept, {"duration_s": outcome.duration_s, "emulated_s": self.clock.now_s,
+                              "stragglers": int(len(outcome.stragglers)), "dropouts": int(len(outcome.dropouts))}
 
 
 def assign_profiles(spec: dict | None, n_clients: int, seed: int) -> Profiles | None:

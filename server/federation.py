@@ -10,6 +10,11 @@ devices hold per client), so a killed run resumes with exactly the records an
 uninterrupted one writes. Wall-clock figures live in each record's `timing` object: the
 rest of a record is the same, bytes included, on every rerun.
 
+Every exchange a strategy starts (a round's training, FLT's FCR, a re-clustering) goes
+through `Federation.exchange`: it sends, gathers, prices the exchange on the emulated
+clock (the population's device profiles), counts its bytes by kind and reports it; the
+reports of one-off exchanges become events in the round's record (set-up's in round 1's).
+
 The emulator plugs its behaviour in through a `population` object (participation
 sampling, device clock, arrivals, drift); the server never imports the emulator.
 """
@@ -27,13 +32,13 @@ import torch
 from models.wire import Message
 from server import checkpoint
 from server.checkpoint import restore_vars
+from server.exchange import Exchange, ExchangeClock, Work
 from server.progress import step
-from server.replies import ShardSizes, centroids_check, metrics_check, update_check
+from server.replies import Check, ShardSizes, centroids_check, metrics_check, update_check
 from server.strategies.base import Result, Strategy, Task
 from server.transport import Ledger, Transport
 
 log = logging.getLogger("flt.server")
-
 
 class Federation:
     def __init__(self, transport: Transport, train_cfg: dict, seed: int, timeout_s: float,
@@ -43,15 +48,46 @@ class Federation:
         self.timeout_s, self.device = timeout_s, device
         self.method = ""
         self.present = np.zeros(0, dtype=np.int64)       # clients in the population now
-        self.round_bytes: dict[int, tuple[int, int]] = {}  # client -> (down, up) payload this round
+        self.clock: ExchangeClock | None = None           # the running method's population
+        self.events: list[dict] = []                      # one-off exchanges' reports, for the next record
 
     def _seed(self, rnd: int, salt: int = 0) -> int:
         return (self.seed * 7919 + rnd * 104_729 + salt) % (2 ** 31)
 
+    def exchange(self, kind: str, rnd: int, msgs: dict[int, Message], reply: str, *,
+                 check: Check | None = None, timeout_s: float | None = None, work: Work | None = None,
+                 clocked: bool = True, event: bool = True) -> Exchange[Message]:
+        """The one path of every exchange: send `msgs`, gather the `reply` messages, price
+        what each answering client did (its payload down and up, and `work`) on the
+        emulated clock, and report the bytes by kind that crossed the socket meanwhile.
+        `event` queues the report for the round's record; `clocked` False is for the
+        emulator's own measurements (evaluation), which are no part of the method."""
+        before = self.transport.ledger.totals()
+        replies = self.transport.gather(msgs, reply, timeout_s or self.timeout_s, check=check)
+        ids = np.array(sorted(replies), dtype=np.int64)
+        down = np.array([_payload(msgs[c]) for c in ids.tolist()], dtype=np.float64)
+        up = np.array([_payload(replies[c]) for c in ids.tolist()], dtype=np.float64)
+        done = np.array([work(msgs[c], replies[c]) if work else (0.0, 0.0) for c in ids.tolist()],
+                        dtype=np.float64).reshape(-1, 2)
+        kept, clock = (self.clock.price(kind, ids, down, up, done[:, 0], done[:, 1])
+                       if clocked and self.clock is not None else (ids, {}))
+        report = {"kind": "exchange", "exchange": kind, "round": rnd, "clients": sorted(msgs),
+                  "replies": len(replies), "bytes": _bytes_between(before, self.transport.ledger.totals()),
+                  **clock}
+        if event:
+            self.events.append(report)
+        return Exchange(replies, [int(c) for c in kept], report)
+
+    def take_events(self) -> list[dict]:
+        """The reports queued since the last call (they go into this round's record)."""
+        events, self.events = self.events, []
+        return events
+
     def train(self, rnd: int, tasks: dict[int, Task], delays: dict[int, float] | None = None,
-              timeout_s: float | None = None) -> dict[int, Result]:
+              timeout_s: float | None = None) -> Exchange[Result]:
         """Train the selected clients; `delays` (real-time mode) makes each device wait
-        that long before answering, and replies later than `timeout_s` are dropped."""
+        that long before answering, and replies later than `timeout_s` are dropped. The
+        round is the exchange's report; `kept` are the replies that beat the clock."""
         base = {"epochs": self.cfg["local_epochs"], "batch_size": self.cfg["batch_size"],
                 "lr": self.cfg["lr"], "vectorize": self.cfg["vectorize"], "seed": self._seed(rnd)}
         msgs = {}
@@ -59,11 +95,9 @@ class Federation:
             tensors = {} if t.models is None else {"model": t.models.detach().cpu().numpy()}
             delay = {"delay_s": delays[c]} if delays else {}
             msgs[c] = Message("train", rnd, c, tensors=tensors, meta={**base, **t.meta, **delay})
-        replies = self.transport.gather(msgs, "update", timeout_s or self.timeout_s,
-                                        check=update_check(msgs, self.shard_sizes))
-        self.round_bytes = {c: (sum(t.nbytes for t in msgs[c].tensors.values()),
-                                sum(t.nbytes for t in r.tensors.values())) for c, r in replies.items()}
-        return {c: Result(self._tensor(r, "model"), int(r.meta["n"]), r.meta) for c, r in replies.items()}
+        ex = self.exchange("train", rnd, msgs, "update", check=update_check(msgs, self.shard_sizes),
+                           timeout_s=timeout_s, work=_trained, event=False)
+        return ex.decoded(lambda r: Result(self._tensor(r, "model"), int(r.meta["n"]), r.meta))
 
     def _tensor(self, msg: Message, name: str):
         if name not in msg.tensors:
@@ -72,25 +106,27 @@ class Federation:
 
     def evaluate(self, rnd: int, clients: np.ndarray, models: torch.Tensor | None,
                  rows: np.ndarray) -> dict[int, dict]:
-        """Evaluate client c with models[rows[i]] on its own test shard (on its device)."""
+        """Evaluate client c with models[rows[i]] on its own test shard (on its device).
+        The emulator's measurement, not the method's: its bytes count, its time does not."""
         host = None if models is None else models.detach().cpu().numpy()
         msgs = {}
         for c, r in zip(clients.tolist(), rows.tolist(), strict=True):
             tensors = {} if host is None else {"model": host[r:r + 1]}
             msgs[c] = Message("evaluate", rnd, c, tensors=tensors, meta={"resident": host is None})
-        replies = self.transport.gather(msgs, "metrics", self.timeout_s, check=metrics_check(self.shard_sizes))
-        return {c: m.meta for c, m in replies.items()}
+        ex = self.exchange("evaluate", rnd, msgs, "metrics", check=metrics_check(self.shard_sizes),
+                           clocked=False, event=False)
+        return {c: m.meta for c, m in ex.results.items()}
 
-    def embed(self, rnd: int, clients, tensors: dict[str, np.ndarray], meta: dict) -> dict[int, np.ndarray]:
+    def embed(self, rnd: int, clients, tensors: dict[str, np.ndarray], meta: dict,
+              purpose: str = "fcr") -> Exchange[np.ndarray]:
         """Send an encoder to each client (once per client, counted as 'encoder' bytes) and
-        collect its k x e centroids."""
+        collect its k x e centroids; the exchange is priced and reported as `purpose`."""
         msgs = {int(c): Message("encoder", rnd, int(c), tensors=tensors,
                                 meta={**meta, "seed": self._seed(rnd, 1)}) for c in clients}
         k = meta.get("k")  # "auto" picks k in 2..10 on the device
-        replies = self.transport.gather(msgs, "centroids", self.timeout_s * 4,
-                                        check=centroids_check(self.shard_sizes, k if isinstance(k, int) else 10))
-        return {c: m.tensors["centroids"].copy() for c, m in replies.items()}
-
+        ex = self.exchange(purpose, rnd, msgs, "centroids", timeout_s=self.timeout_s * 4, work=_embedded,
+                           check=centroids_check(self.shard_sizes, k if isinstance(k, int) else 10))
+        return ex.decoded(lambda m: m.tensors["centroids"].copy())
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self, rnd: int) -> dict:
@@ -101,12 +137,13 @@ class Federation:
         batch = next(t.batches)
         t.batches = itertools.count(batch)  # peeked, not consumed
         return {"ledger": t.ledger, "batch": batch, "lost_devices": sorted(t.lost_devices),
-                "clients": clients}
+                "clients": clients, "events": list(self.events)}
 
     def load_state_dict(self, state: dict) -> None:
         self.transport.lost_devices.update(state["lost_devices"])
         self._restore_device_state(state["clients"])
         restore_vars(self.transport, {"ledger": state["ledger"]})
+        self.events = list(state.get("events", []))  # set-up's, when killed before round 1
         self.carry_over(state)
 
     def carry_over(self, state: dict) -> None:
@@ -208,12 +245,12 @@ def run_method(strategy: Strategy, fed: Federation, population, rounds: int, eva
     called. `resume` continues after the checkpoint's round instead of starting over."""
     out_dir.mkdir(parents=True, exist_ok=True)
     transport = fed.transport
-    fed.method = strategy.name
+    fed.method, fed.clock = strategy.name, population  # the population prices every exchange
     tic = time.perf_counter()
     if resume:
         done, history, setup_s = resume_method(out_dir, strategy, fed, population)
     else:
-        fed.present = population.candidates(0)
+        fed.present, fed.events = population.candidates(0), []
         strategy.setup(fed)
         done, history, setup_s = 0, [], time.perf_counter() - tic
         (out_dir / "metrics.jsonl").write_text("")
@@ -226,13 +263,14 @@ def run_method(strategy: Strategy, fed: Federation, population, rounds: int, eva
             fed.present = candidates
             selected = population.select(rnd, candidates)
             tasks = strategy.train_tasks(rnd, selected)
-            results = fed.train(rnd, tasks, population.delays(rnd, tasks), population.timeout(fed.timeout_s))
-            strategy.observe(rnd, results)
-            results, clock = population.close_round(rnd, results, fed)
+            trained = fed.train(rnd, tasks, population.delays(rnd, tasks), population.timeout(fed.timeout_s))
+            strategy.observe(rnd, trained.results)  # late replies too: what they say still counts
+            results = trained.counted()
             strategy.aggregate(rnd, results)
             events += strategy.maintain(rnd, fed)
+            events += fed.take_events()  # set-up's (round 1), an arrival's, a re-clustering's
             record = {"method": strategy.name, "round": rnd, "selected": int(len(selected)),
-                      "returned": int(len(results)), "events": events, **clock}
+                      "returned": int(len(results)), "events": events, **_round_clock(trained.report, events)}
             timing = {"train_s": time.perf_counter() - r_tic}  # selection, training, aggregation
             if rnd % eval_every == 0 or rnd == rounds:
                 e_tic = time.perf_counter()
@@ -285,6 +323,44 @@ def resume_method(out_dir: Path, strategy: Strategy, fed: Federation, population
     tmp.replace(metrics)
     log.info("resuming %s after round %d", strategy.name, done)
     return done, [json.loads(line) for line in lines], state["setup_s"]
+
+
+def _payload(msg: Message) -> int:
+    return sum(t.nbytes for t in msg.tensors.values())
+
+
+def _trained(sent: Message, reply: Message) -> tuple[float, float]:
+    """A training task: FedScale counts whole batches, batch_size x steps samples."""
+    return 0.0, float(sent.meta["batch_size"] * reply.meta.get("steps", 0))
+
+
+def _embedded(sent: Message, reply: Message) -> tuple[float, float]:
+    """An embedding: one forward pass over the shard, after J fine-tuning epochs (whole
+    batches, as for training) when the encoder is fine-tuned (Enc2)."""
+    n, tune = int(reply.meta["n"]), sent.meta.get("finetune")
+    trained = tune["epochs"] * -(-n // tune["batch_size"]) * tune["batch_size"] if tune else 0
+    return float(n), float(trained)
+
+
+def _bytes_between(before: dict, after: dict) -> dict:
+    """Ledger totals' growth, payload and overhead, by direction and kind (kinds that grew)."""
+    out: dict[str, dict[str, int]] = {}
+    for d, kinds in after.items():
+        for k, v in kinds.items():
+            grown = v["payload"] + v["overhead"] - before[d][k]["payload"] - before[d][k]["overhead"]
+            if grown:
+                out.setdefault(d, {})[k] = grown
+    return out
+
+
+def _round_clock(round_report: dict, events: list[dict]) -> dict:
+    """The record's clock: the round's duration and, as `emulated_s`, the clock after the
+    round's last priced exchange (a re-clustering after aggregation included)."""
+    if "duration_s" not in round_report:
+        return {}
+    clocks = [e["emulated_s"] for e in events if e.get("kind") == "exchange" and "emulated_s" in e]
+    return {"round_s": round_report["duration_s"], "emulated_s": max([round_report["emulated_s"], *clocks]),
+            "stragglers": round_report["stragglers"], "dropouts": round_report["dropouts"]}
 
 
 def _bytes_so_far(transport: Transport) -> dict:

@@ -12,6 +12,7 @@ from scipy.spatial.distance import cdist
 
 from emulator.config import parse_methods
 from server import fcr
+from server.exchange import Exchange
 from server.strategies.base import Context, Result, weighted_average
 from server.strategies.fedavg import FedAvg
 from server.strategies.flt import FLT
@@ -183,19 +184,14 @@ class Embedder:
     def __init__(self, truth, silent=()):
         self.truth, self.silent, self.calls = truth, set(silent), []
         self.present = np.arange(len(truth))
-        self.transport = type("T", (), {"ledger": type("L", (), {"totals": staticmethod(_no_bytes)})()})()
 
-    def embed(self, rnd, clients, tensors, meta):
+    def embed(self, rnd, clients, tensors, meta, purpose="fcr"):
         clients = [int(c) for c in clients]
         self.calls.append((rnd, clients))
         rng = np.random.default_rng(rnd)
-        return {c: (np.eye(8)[self.truth[c]] * 5 + 0.1 * rng.normal(size=(3, 8))).astype(np.float32)
-                for c in clients if c not in self.silent}
-
-
-def _no_bytes():
-    return {d: {k: {"payload": 0, "overhead": 0, "messages": 0} for k in ("encoder", "embedding")}
-            for d in ("up", "down")}
+        got = {c: (np.eye(8)[self.truth[c]] * 5 + 0.1 * rng.normal(size=(3, 8))).astype(np.float32)
+               for c in clients if c not in self.silent}
+        return Exchange(got, sorted(got), {"bytes": {}})
 
 
 def clustered_flt(tmp_path, silent=(), **params) -> tuple[FLT, Embedder]:

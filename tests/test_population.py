@@ -14,6 +14,7 @@ import torch
 from emulator.config import parse_methods
 from emulator.population import Population, Schedule, schedule_from
 from emulator.profiles import Profiles
+from server.exchange import Exchange
 from server.strategies.base import Context, Result
 from server.strategies.flt import FLT
 from server.transport import Ledger
@@ -40,20 +41,21 @@ def test_an_offline_device_is_never_selected():
         assert len(chosen) == m - len(offline)
 
 
-def _results(steps):
-    return {c: Result(None, 60, {"steps": s}) for c, s in steps.items()}
+def _answered(who) -> Exchange:
+    """What FLT's embed returns when every client in `who` answered (no bytes, no clock)."""
+    return Exchange({int(c): None for c in who}, [int(c) for c in who], {"bytes": {}})
 
 
 def test_a_straggler_past_the_deadline_is_dropped():
     m = 4
     pop = Population(m, rho=1.0, seed=0, profiles=profiles(m, ms=10.0), deadline_s=20.0)
     pop.select(1, np.arange(m))
-    fed = SimpleNamespace(round_bytes={c: (1_000_000, 1_000_000) for c in range(m)})
     # 3 x 10 x steps x 10 ms = 0.3 s per step; 1 MB at 8 Mbit/s = 1 s each way
-    kept, clock = pop.close_round(1, _results({0: 10, 1: 60, 2: 61, 3: 70}), fed)
-    assert sorted(kept) == [0, 1]          # 5 s, 20 s (exactly at the deadline counts)
-    assert clock["stragglers"] == 2        # 20.3 s and 23 s
-    assert clock["round_s"] == pytest.approx(20.0) and clock["emulated_s"] == pytest.approx(20.0)
+    steps = np.array([10, 60, 61, 70])
+    kept, clock = pop.price("train", np.arange(m), 1_000_000, 1_000_000, 0, 10 * steps)  # batch 10
+    assert sorted(kept.tolist()) == [0, 1]  # 5 s, 20 s (exactly at the deadline counts)
+    assert clock["stragglers"] == 2         # 20.3 s and 23 s
+    assert clock["duration_s"] == pytest.approx(20.0) and clock["emulated_s"] == pytest.approx(20.0)
 
 
 def test_overcommitment_draws_more_and_keeps_the_fastest():
@@ -61,10 +63,9 @@ def test_overcommitment_draws_more_and_keeps_the_fastest():
     pop = Population(m, rho=0.25, seed=3, profiles=profiles(m), overcommit=1.4)
     chosen = pop.select(1, np.arange(m))
     assert len(chosen) == 7 and pop.target == 5
-    fed = SimpleNamespace(round_bytes={int(c): (0, 0) for c in chosen})
-    steps = {int(c): 10 + i for i, c in enumerate(chosen)}
-    kept, clock = pop.close_round(1, _results(steps), fed)
-    assert sorted(kept) == sorted(chosen[:5].tolist()) and clock["stragglers"] == 2
+    steps = 10 + np.arange(len(chosen))
+    kept, clock = pop.price("train", chosen, 0, 0, 0, 10 * steps)
+    assert sorted(kept.tolist()) == sorted(chosen[:5].tolist()) and clock["stragglers"] == 2
 
 
 def test_same_draws_for_every_method_and_seed_dependence():
@@ -102,11 +103,11 @@ def test_recluster_fires_exactly_when_flags_pass_lambda(tmp_path, monkeypatch):
     params = parse_methods([{"name": "flt", "recluster_flags": 2}])[0].params
     flt = FLT(ctx, **params)
     calls = []
-    def embed(fed, who, rnd):  # every client answers: its outstanding flag is cleared
+    def embed(fed, who, rnd, purpose):  # every client answers: its outstanding flag is cleared
         calls.append(("embed", list(who)))
         for c in who:
             flt.flag_round.pop(int(c), None)
-        return list(who)
+        return _answered(who)
 
     monkeypatch.setattr(flt, "embed", embed)
     monkeypatch.setattr(flt, "relate", lambda clients, tag="": calls.append(("relate", tag)) or {})
@@ -207,7 +208,7 @@ def test_server_side_monitor_flags_a_client_whose_update_turns_away(tmp_path):
     flt.aggregate(1, {c: Result(u, 1, {"flag": 0}) for c, u in updates.items()})
     assert set(flt.flag_round) == {4} and flt.monitored == {4}
     fed = SimpleNamespace(present=np.arange(m), transport=SimpleNamespace(ledger=Ledger()))
-    flt.embed = lambda fed, who, rnd: list(who)
+    flt.embed = lambda fed, who, rnd, purpose: _answered(who)
     flt.relate = lambda clients, tag="": {}
     assert [e["cause"] for e in flt.maintain(1, fed)] == ["monitor"]
 

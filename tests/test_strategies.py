@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from emulator.population import Population
+from server.exchange import Exchange
 from server.strategies.base import Context, Result
 from server.strategies.cfl import CFL
 from server.strategies.fedprox import FedProx
@@ -341,6 +342,11 @@ class FakeFederation:
         self.resident: dict[int, torch.Tensor] = {}
         self.method = ""
         self.timeout_s = 60.0
+        self.events: list[dict] = []
+
+    def take_events(self):
+        events, self.events = self.events, []
+        return events
 
     def _count(self, direction, kind, nbytes):
         self.transport.ledger.bytes[direction][kind] += int(nbytes)
@@ -369,7 +375,7 @@ class FakeFederation:
             else:
                 self._count("up", "model", w.numel() * 4)
                 out[c] = Result(w.clone(), int(self.n[c]), meta)
-        return out
+        return Exchange(out, sorted(out), {"bytes": {}})  # no device profiles: everyone counts
 
     def evaluate(self, rnd, clients, models, rows):
         out = {}
@@ -378,7 +384,7 @@ class FakeFederation:
             out[c] = {"correct": float(torch.exp(-((w - self.targets[c]) ** 2).mean())), "total": 1.0}
         return out
 
-    def embed(self, rnd, clients, tensors, meta):
+    def embed(self, rnd, clients, tensors, meta, purpose="fcr"):
         self._count("down", "encoder", sum(t.nbytes for t in tensors.values()) * len(clients))
         e = meta["latent"]
         g = torch.Generator().manual_seed(7)
@@ -387,7 +393,7 @@ class FakeFederation:
             centre = float(self.targets[c][0]) * torch.ones(e)
             out[int(c)] = (centre + 0.1 * torch.randn(meta["k"], e, generator=g)).numpy()
             self._count("up", "embedding", out[int(c)].nbytes)
-        return out
+        return Exchange(out, sorted(out), {"bytes": {}})
 
 
 LOOP = {

@@ -44,15 +44,9 @@ from models.schema import Field, section
 from scenarios.errors import DeviceError
 from server import encoder as enc
 from server import fcr
+from server.exchange import Exchange
 from server.fcr_report import agreement, plot_fcr
 from server.strategies.base import Result, Strategy, Task, cluster_average, one_hot, stack, weighted_average
-
-
-def _fcr_bytes(fed) -> int:
-    """Encoder + embedding bytes on the wire so far (to price a re-clustering)."""
-    t = fed.transport.ledger.totals()
-    return sum(t[d][k]["payload"] + t[d][k]["overhead"] for d in t for k in ("encoder", "embedding"))
-
 
 ENCODER = {
     "dataset": Field(str, "public", "pretraining set: 'public' (held-out slice of the train split) "
@@ -171,25 +165,27 @@ class FLT(Strategy):
         tic = time.perf_counter()
         self.payload, self.payload_meta, self.encoder_info = self.encoder_payload()
         self.payload_bytes = sum(t.nbytes for t in self.payload.values())
-        got = self.embed(fed, fed.present, rnd=0)
-        if not got:
+        ex = self.embed(fed, fed.present, rnd=0, purpose="fcr")
+        if not ex.results:
             raise DeviceError("FCR: no client sent centroids (see the device logs)")
         report = self.relate(fed.present)
-        report.update(round=0, cause="initial", seconds=time.perf_counter() - tic,
-                      unassigned=sorted(set(np.asarray(fed.present).tolist()) - set(got)))
+        report.update(round=0, cause="initial", seconds=time.perf_counter() - tic, **_cost(ex),
+                      unassigned=sorted(set(np.asarray(fed.present).tolist()) - set(ex.results)))
         self.fcr_reports.append(report)
 
-    def embed(self, fed, clients, rnd: int) -> list[int]:
+    def embed(self, fed, clients, rnd: int, purpose: str = "fcr") -> Exchange:
         """Send the encoder to `clients`, keep the k x e centroids they send back; a client
-        that re-embedded has no outstanding flag any more. Returns who answered."""
-        got = fed.embed(rnd, np.asarray(clients), self.payload, self.payload_meta)
+        that re-embedded has no outstanding flag any more. Returns the exchange (who
+        answered, its bytes and emulated seconds), reported as `purpose`."""
+        ex = fed.embed(rnd, np.asarray(clients), self.payload, self.payload_meta, purpose)
+        got = ex.results
         self.encoders_sent += len(clients)
         self.centroids.update(got)
         self.centroids_sent += sum(len(c) for c in got.values())
         for c in got:
             self.flag_round.pop(c, None)
             self.monitored.discard(c)
-        return sorted(got)
+        return ex
 
     def encoder_payload(self) -> tuple[dict, dict, dict]:
         """What travels down for FCR: ONNX bytes (frozen) or the autoencoder (fine-tune)."""
@@ -289,18 +285,18 @@ class FLT(Strategy):
         """Newcomers embed their data; they join the cluster whose mean embedding is nearest
         (`newcomers: nearest`), or FCR's server side re-runs over everyone (`recluster`),
         with every client whose flag is outstanding re-embedding too."""
-        tic, before = time.perf_counter(), _fcr_bytes(fed)
+        tic = time.perf_counter()
         if self.params["newcomers"] == "recluster":
             who = np.union1d(clients, self._outstanding(fed.present))
-            self.embed(fed, who, rnd)
+            ex = self.embed(fed, who, rnd, purpose="arrival")
             report = self.relate(fed.present, tag=f"-round{rnd}")
-            report.update(round=rnd, cause="arrival", clients_embedded=who.tolist())
+            report.update(round=rnd, cause="arrival", clients_embedded=who.tolist(), **_cost(ex))
             self.fcr_reports.append(report)
         else:
-            self.embed(fed, clients, rnd)
+            ex = self.embed(fed, clients, rnd, purpose="arrival")
             report = self._place_nearest(clients)
         return {"placement": self.params["newcomers"], "seconds": time.perf_counter() - tic,
-                "fcr_bytes": _fcr_bytes(fed) - before, **report}
+                "fcr_bytes": ex.bytes, **report}
 
     def _place_nearest(self, clients) -> dict:
         """Put each client (with centroids) in the cluster whose mean embedding is nearest."""
@@ -346,13 +342,13 @@ class FLT(Strategy):
         else:
             cause = "flags" if len(flagged) > lam else "patience"
         who = np.asarray(fed.present) if periodic else flagged
-        tic, before, old = time.perf_counter(), _fcr_bytes(fed), self.labels.copy()
-        self.embed(fed, who, rnd)
+        tic, old = time.perf_counter(), self.labels.copy()
+        ex = self.embed(fed, who, rnd, purpose="recluster")
         report = self.relate(fed.present, tag=f"-round{rnd}")
-        report.update(round=rnd, cause=cause, clients_embedded=who.tolist())
+        report.update(round=rnd, cause=cause, clients_embedded=who.tolist(), **_cost(ex))
         self.fcr_reports.append(report)
         event = {"kind": "recluster", "round": rnd, "cause": cause, "clients": who.tolist(),
-                 "seconds": time.perf_counter() - tic, "fcr_bytes": _fcr_bytes(fed) - before,
+                 "seconds": time.perf_counter() - tic, "fcr_bytes": ex.bytes,
                  "old_labels": old.tolist(), "new_labels": self.labels.tolist(),
                  **{k: report[k] for k in ("clusters", "cluster_sizes", "ari", "nmi") if k in report}}
         return [event]
@@ -437,8 +433,12 @@ class FLT(Strategy):
 
     def summary(self) -> dict:
         recl = [{k: v for k, v in r.items() if k != "pipeline"} for r in self.fcr_reports[1:]]
-        return {"fcr": self.fcr_reports[0] if self.fcr_reports else {}, "fcr_reports": self.fcr_reports,
-                "found_clusters": self.labels.tolist(), "reclusterings": recl}
+        out = {"fcr": self.fcr_reports[0] if self.fcr_reports else {}, "fcr_reports": self.fcr_reports,
+               "found_clusters": self.labels.tolist(), "reclusterings": recl}
+        if self.fcr_reports and "emulated_s" in self.fcr_reports[0]:  # with device profiles
+            out["fcr_emulated_s"] = self.fcr_reports[0]["emulated_s"]
+            out["recluster_emulated_s"] = sum(r.get("emulated_s", 0.0) for r in recl)
+        return out
 
     def expected_bytes(self, selections, model_bytes):
         # M*W_enc counts one encoder per client; re-clustering sends it again to re-embedders
@@ -446,6 +446,12 @@ class FLT(Strategy):
         return {"formula": "M*W_enc + k*M*e + 2*rho*M*W_local*T",
                 "bytes": self.encoders_sent * self.payload_bytes + self.centroids_sent * latent * 4
                 + 2 * selections * model_bytes}
+
+
+def _cost(ex: Exchange) -> dict:
+    """An FCR exchange's cost for its report: bytes, and emulated seconds with profiles."""
+    priced = {"emulated_s": ex.report["duration_s"]} if "duration_s" in ex.report else {}
+    return {"fcr_bytes": ex.bytes, **priced}
 
 
 def _median_offdiagonal(adj: np.ndarray) -> float:
