@@ -106,4 +106,4 @@ def test_fesem_soft_learns_on_the_quickstart(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     methods = json.loads((tmp_path / "summary.json").read_text())["methods"]
     soft, avg = methods["fesem_soft"], methods["fedavg"]
-    assert soft["final_acc"] > 80 and soft["final_acc"] > avg["final_acc"] + 5, (soft["final_acc"], avg["final_acc"])
+    assert soft["final_accuracy"] > 80 and soft["final_accuracy"] > avg["final_accuracy"] + 5, (soft, avg)
