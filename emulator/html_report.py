@@ -24,7 +24,7 @@ from emulator import report
 from models.schema import ConfigError
 
 # the rest is in summary.json
-EVENT_DETAIL = ("cause", "placement", "to_cluster", "clusters", "ari", "nmi", "fcr_bytes")
+EVENT_DETAIL = ("exchange", "cause", "placement", "to_cluster", "clusters", "ari", "nmi", "fcr_bytes", "duration_s")
 FCR_FIGURES = ("adjacency", "dendrogram", "centroids", "umap")  # as FCR writes them, in this order
 
 
