@@ -53,7 +53,7 @@ class Device:
             log.warning("the server names this device by its key file: %s, not %s", self.name, name)
         self.data_root, self.parent_pid = data_root, parent_pid
         torch.set_num_threads(max(1, threads))
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)  # no routing id of our own: the server names us
         self.sock.setsockopt(zmq.LINGER, 2000)
         if self.credentials.curve:
