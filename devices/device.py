@@ -18,6 +18,7 @@ import socket
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,17 +31,49 @@ from models.flat import param_spec
 from models.keys import Credentials, HandshakeWatch
 from models.nets import build_model
 from models.wire import Message, ProtocolError, decode, encode
-from scenarios.datasets import load_dataset
+from scenarios.datasets import load_shared
 
 log = logging.getLogger("flt.device")
 
 
 @dataclass
 class Shard:
-    x: torch.Tensor        # float32 [n, C, H, W] in [0, 1]
+    """One client's data: indices into the device's shared uint8 splits, and its own
+    labels (drift may swap them). ``x`` and ``x_test`` are float32 [n, C, H, W] in [0, 1],
+    made on each access for the task at hand: no float copy outlives its cohort."""
+    images: Images
+    idx: torch.Tensor      # int64 [n] into images
     y: torch.Tensor        # int64 [n]
-    x_test: torch.Tensor
+    test_images: Images
+    idx_test: torch.Tensor
     y_test: torch.Tensor
+
+    @property
+    def x(self) -> torch.Tensor:
+        return self.images.floats(self.idx)
+
+    @property
+    def x_test(self) -> torch.Tensor:
+        return self.test_images.floats(self.idx_test)
+
+
+class Images:
+    """One split's uint8 images, held once per device process: on the CPU a read-only
+    memory map that the host's device processes share (scenarios.datasets.load_shared),
+    on a GPU one copy in its memory."""
+
+    def __init__(self, x: np.ndarray, device: torch.device):
+        self.device = device
+        self.host = x if device.type == "cpu" else None
+        if self.host is None:
+            with warnings.catch_warnings():  # the map is read-only; torch only copies from it here
+                warnings.simplefilter("ignore", UserWarning)
+                self.gpu = torch.from_numpy(x).to(device)
+
+    def floats(self, idx: torch.Tensor) -> torch.Tensor:
+        """The images at idx as float32 in [0, 1] (x.float() / 255, the same values whenever made)."""
+        u8 = self.gpu[idx] if self.host is None else torch.from_numpy(np.take(self.host, idx.numpy(), axis=0))
+        return u8.float().div_(255)
 
 
 class Device:
@@ -138,9 +171,9 @@ class Device:
     def _dataset(self, name, root, train, download):
         key = (name, root, train)
         if key not in self.datasets:
-            ds = load_dataset(name, root, train=train, download=download)
-            # uint8 on the accelerator once; shards are gathered there, never copied per task
-            self.datasets[key] = (torch.from_numpy(ds.x).to(self.accel), torch.from_numpy(ds.y).to(self.accel))
+            ds = load_shared(name, root, train=train, download=download)
+            # labels are small: a private copy; images stay shared (or go to the GPU once)
+            self.datasets[key] = (Images(ds.x, self.accel), torch.from_numpy(np.array(ds.y)).to(self.accel))
         return self.datasets[key]
 
     def on_reset(self, msg: Message) -> None:
@@ -251,9 +284,9 @@ def _split(t: dict, name: str) -> list[np.ndarray]:
 
 def _shard(train, test, tr_idx, te_idx) -> Shard:
     (x, y), (xt, yt) = train, test
-    tr = torch.as_tensor(np.asarray(tr_idx), device=x.device)
-    te = torch.as_tensor(np.asarray(te_idx), device=xt.device)
-    return Shard(x[tr].float().div_(255), y[tr].long(), xt[te].float().div_(255), yt[te].long())
+    tr = torch.as_tensor(np.asarray(tr_idx, dtype=np.int64), device=x.device)
+    te = torch.as_tensor(np.asarray(te_idx, dtype=np.int64), device=xt.device)
+    return Shard(x, tr, y[tr].long(), xt, te, yt[te].long())
 
 
 def main(argv=None) -> int:

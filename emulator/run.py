@@ -22,7 +22,7 @@ from models.flat import flatten
 from models.nets import build_model
 from models.wire import Message
 from scenarios import partition as part
-from scenarios.datasets import Dataset, load_dataset
+from scenarios.datasets import Dataset, load_shared
 from scenarios.errors import DeviceError
 from server import checkpoint
 from server.auth import gate_for
@@ -46,8 +46,9 @@ def make_run_dir(cfg: dict, out: str | None) -> Path:
 
 def load_data(cfg: dict) -> tuple[Dataset, Dataset]:
     d = cfg["data"]
-    return (load_dataset(d["dataset"], d["root"], train=True, download=d["download"]),
-            load_dataset(d["dataset"], d["root"], train=False, download=d["download"]))
+    # mapped, not copied: the server reads labels only, and shares the pages with its devices
+    return (load_shared(d["dataset"], d["root"], train=True, download=d["download"]),
+            load_shared(d["dataset"], d["root"], train=False, download=d["download"]))
 
 
 def hold_out_public(cfg: dict, n_train: int) -> np.ndarray:

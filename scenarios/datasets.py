@@ -34,6 +34,8 @@ Caches (decoded ``.npz`` arrays) live in ``$FLT_CACHE`` (default
 ``~/.cache/flt``). Cache keys include the source's path, size and mtime (all files for
 FEMNIST) and a format version, and cache files are written to a temporary name and then
 renamed, so several device processes may load the same dataset at once.
+:func:`load_shared` maps a split read-only from an uncompressed ``.npy`` cache named by
+its content, so the device processes of one host share a single copy of its pages.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ import tarfile
 import tempfile
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +64,7 @@ __all__ = [
     "cache_dir",
     "dataset_key",
     "load_dataset",
+    "load_shared",
     "read_idx",
 ]
 
@@ -127,11 +130,16 @@ def save_npz_atomic(path: Path, **arrays: np.ndarray) -> None:
     Uncompressed so a reload is a plain read (well under a second for CIFAR-10);
     the rename makes concurrent loaders see either nothing or a complete file.
     """
+    _write_atomic(path, lambda f: np.savez(f, **arrays))
+
+
+def _write_atomic(path: Path, write) -> None:
+    """Call write(file) on a temporary file beside `path`, then rename it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
+            write(f)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -701,6 +709,43 @@ def load_dataset(name: str, root: str | os.PathLike | None, train: bool, downloa
         raise DataError(f"dataset '{name}' (root {r}): the {'train' if train else 'test'} split holds "
                         f"{len(ds)} images of {ds.num_classes} classes")
     return ds
+
+
+def load_shared(name: str, root: str | os.PathLike | None, train: bool, download: bool = False) -> Dataset:
+    """:func:`load_dataset`, with ``x`` and ``y`` memory-mapped read-only from an
+    uncompressed ``.npy`` pair in ``cache_dir()/shared``.
+
+    The files are named by a hash of the split's content, written once (atomically) by
+    whichever process comes first and mapped by every process that loads the same split,
+    so n processes on a host share one copy of its pages (PSS counts it once). The split
+    is still decoded here to learn its name, then freed. Where the cache cannot be
+    written, the in-memory split is returned, with a warning.
+    """
+    ds = load_dataset(name, root, train, download)
+    digest = hashlib.sha256(repr((_CACHE_VERSION, ds.x.shape, ds.x.dtype.str, ds.y.dtype.str)).encode())
+    for arr in (ds.x, ds.y):
+        digest.update(np.ascontiguousarray(arr).data)
+    stem = f"{ds.name.replace(':', '-')}-{'train' if train else 'test'}-{digest.hexdigest()[:20]}"
+    folder = cache_dir() / "shared"
+    try:
+        x, y = (_mapped(folder / f"{stem}.{part}.npy", arr) for part, arr in (("x", ds.x), ("y", ds.y)))
+    except OSError as exc:
+        warnings.warn(f"dataset '{name}': no shared cache in {folder} ({exc}); this process keeps "
+                      "its own copy", stacklevel=2)
+        return ds
+    return replace(ds, x=x, y=y)
+
+
+def _mapped(path: Path, arr: np.ndarray) -> np.ndarray:
+    """`arr` as a read-only memory map of `path`, written there first unless a whole copy is."""
+    try:
+        done = np.load(path, mmap_mode="r")
+        if done.shape == arr.shape and done.dtype == arr.dtype:
+            return done
+    except (OSError, ValueError):  # missing, or cut short: (re)write it
+        pass
+    _write_atomic(path, lambda f: np.save(f, np.ascontiguousarray(arr)))
+    return np.load(path, mmap_mode="r")
 
 
 def _load_split(base: str, split: str, r: Path | None, train: bool, download: bool) -> Dataset | None:

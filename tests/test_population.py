@@ -170,15 +170,15 @@ def test_drift_raises_flags_and_triggers_reclustering(dynamic_run):
 
 
 def test_label_swap_drift_trades_two_labels_on_the_device_and_raises_the_flag():
-    from devices.device import Device, Shard
+    from devices.device import Device, Images, _shard
     from models.wire import Message
 
     dev = Device("tcp://127.0.0.1:9", name="t")  # connect is lazy: no server needed here
     y = torch.tensor([0, 1, 2, 1, 0])
-    x = torch.arange(5, dtype=torch.uint8).view(5, 1, 1, 1)
+    x = Images(np.arange(5, dtype=np.uint8).reshape(5, 1, 1, 1), torch.device("cpu"))
     dev.splits = ((x, y), (x, y))
-    dev.shards[7] = Shard(x.float(), y.clone(), x.float(), y.clone())
     idx = np.arange(5, dtype=np.int64)
+    dev.shards[7] = _shard((x, y), (x, y), idx, idx)
     dev.on_drift(Message("drift", client=7, meta={"label_swap": [0, 1]}, tensors={"train": idx, "test": idx}))
     assert dev.shards[7].y.tolist() == [1, 0, 2, 0, 1] and dev.shards[7].y_test.tolist() == [1, 0, 2, 0, 1]
     assert 7 in dev.flags

@@ -1,0 +1,85 @@
+"""Memory: device processes on one host share one read-only copy of each dataset (a
+memory-mapped uint8 .npy cache), and a client's shard keeps indices, never float images."""
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from devices.device import Images, _shard
+from emulator.processes import DeviceFleet
+from emulator.run import assign_clients
+from scenarios.datasets import cache_dir, load_dataset, load_shared
+from scenarios.partition import Partition
+from server.transport import Transport
+
+
+def _mapped_files(pid: int) -> set[str]:
+    """Paths of the files mapped into process `pid` (from /proc/PID/maps)."""
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {line.split(maxsplit=5)[5] for line in lines if len(line.split(maxsplit=5)) == 6}
+
+
+def test_a_shared_split_is_a_read_only_map_of_one_cache_file_with_the_same_values():
+    plain = load_dataset("digits", None, train=True)
+    first, again = load_shared("digits", None, train=True), load_shared("digits", None, train=True)
+    for ds in (first, again):
+        assert isinstance(ds.x, np.memmap) and not ds.x.flags.writeable
+        np.testing.assert_array_equal(ds.x, plain.x)
+        np.testing.assert_array_equal(ds.y, plain.y)
+    assert first.x.filename == again.x.filename
+    assert Path(first.x.filename).parent == cache_dir() / "shared"
+
+
+def test_a_cut_short_cache_file_is_written_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLT_CACHE", str(tmp_path))
+    path = Path(load_shared("digits", None, train=False).x.filename)
+    path.write_bytes(path.read_bytes()[:1000])
+    ds = load_shared("digits", None, train=False)
+    np.testing.assert_array_equal(ds.x, load_dataset("digits", None, train=False).x)
+
+
+def test_an_unwritable_cache_warns_and_keeps_a_private_copy(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")  # a folder under a file cannot be made, even by root
+    monkeypatch.setenv("FLT_CACHE", str(tmp_path / "file" / "cache"))
+    with pytest.warns(UserWarning, match="no shared cache"):
+        ds = load_shared("digits", None, train=False)
+    assert not isinstance(ds.x, np.memmap)
+    np.testing.assert_array_equal(ds.x, load_dataset("digits", None, train=False).x)
+
+
+def test_a_shard_holds_indices_and_labels_and_makes_the_old_floats_on_demand():
+    ds = load_shared("digits", None, train=True)
+    split = (Images(ds.x, torch.device("cpu")), torch.from_numpy(np.array(ds.y)))
+    idx = np.array([5, 0, 17, 5, 300])
+    shard = _shard(split, split, idx, idx[:2])
+    held = [getattr(shard, f.name) for f in dataclasses.fields(shard)]
+    assert not any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in held)
+    # what the shard used to keep for the whole run: the same bits, made per task
+    old = torch.from_numpy(load_dataset("digits", None, train=True).x)[torch.from_numpy(idx)].float().div_(255)
+    assert torch.equal(shard.x, old) and torch.equal(shard.x_test, old[:2])
+    assert shard.y.tolist() == ds.y[idx].tolist()
+    one, two = shard.x, shard.x
+    assert one.data_ptr() != two.data_ptr()  # made per access: nothing cached on the shard
+
+
+@pytest.mark.slow  # two device processes import torch: about 15 s on 2 cores
+def test_two_device_processes_map_the_same_cache_file(tmp_path):
+    transport = Transport()
+    fleet = DeviceFleet(transport.endpoint, tmp_path / "logs")
+    try:
+        fleet.start(2)
+        devices = fleet.wait(transport, 60)
+        partition = Partition(train=[np.arange(i, 400, 4) for i in range(4)],
+                              test=[np.arange(i, 100, 4) for i in range(4)], cluster=np.zeros(4, np.int64))
+        meta = {"dataset": {"name": "digits", "root": None, "download": False}, "accelerator": "cpu",
+                "model": {"name": "mlp", "in_shape": [1, 28, 28], "num_classes": 10}}
+        assign_clients(transport, partition, devices, meta, 60, np.arange(4))
+        maps = [_mapped_files(fleet.procs[d].pid) for d in devices]
+        shared = str(cache_dir() / "shared")
+        cached = [{p for p in m if p.startswith(shared) and p.endswith(".x.npy")} for m in maps]
+        assert len(cached[0]) == 2 and cached[0] == cached[1]  # train and test, the same files in both
+    finally:
+        transport.close()
+        fleet.stop()
