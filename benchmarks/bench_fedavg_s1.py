@@ -193,16 +193,7 @@ def run_reference(cfg: dict, shards, init: torch.Tensor, spec: dict, rounds: int
         for c in selected.tolist():
             x, y = shards[c][0], shards[c][1]
             vector_to_parameters(global_vec, model.parameters())
-            opt = torch.optim.SGD(model.parameters(), lr=lr)
-            model.train()
-            for _ in range(epochs):
-                perm = torch.randperm(len(y))
-                for lo in range(0, len(y), bs):
-                    b = perm[lo:lo + bs]
-                    opt.zero_grad()
-                    loss = F.cross_entropy(model(x[b]), y[b])
-                    loss.backward()
-                    opt.step()
+            train_client(model, x, y, lr, bs, epochs)
             with torch.no_grad():
                 acc += len(y) * parameters_to_vector(model.parameters())
             n_total += len(y)
@@ -210,12 +201,32 @@ def run_reference(cfg: dict, shards, init: torch.Tensor, spec: dict, rounds: int
         times.append(time.perf_counter() - tic)
     # untimed sanity check: mean per-client test accuracy of the final global model
     vector_to_parameters(global_vec, model.parameters())
+    return {"threads": threads, "per_round_s": times,
+            "median_round_s": median(times[1:] if len(times) > 1 else times),
+            "round1_s": times[0], "final_acc_mean": mean_client_accuracy(model, shards)}
+
+
+def train_client(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float, bs: int,
+                 epochs: int) -> None:
+    """Plain torch SGD on one client's shard, in place: the loop a Flower user would write
+    (also what the Flower clients of flower_app.py run)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(epochs):
+        perm = torch.randperm(len(y))
+        for lo in range(0, len(y), bs):
+            b = perm[lo:lo + bs]
+            opt.zero_grad()
+            F.cross_entropy(model(x[b]), y[b]).backward()
+            opt.step()
+
+
+def mean_client_accuracy(model: torch.nn.Module, shards) -> float:
+    """Mean over clients of the model's test accuracy (%) on each client's test shard."""
     model.eval()
     with torch.no_grad():
         accs = [100.0 * float((model(s[2]).argmax(1) == s[3]).float().mean()) for s in shards]
-    return {"threads": threads, "per_round_s": times,
-            "median_round_s": median(times[1:] if len(times) > 1 else times),
-            "round1_s": times[0], "final_acc_mean": float(np.mean(accs))}
+    return float(np.mean(accs))
 
 
 # ----------------------------------------------------------------------------- (c) trainer
