@@ -15,6 +15,7 @@ from devices.trainer import CohortTrainer
 from models.flat import flatten, param_spec
 from models.nets import build_model
 from models.wire import Message, ProtocolError, decode, encode
+from server.federation import Federation
 from server.strategies import STRATEGIES
 from server.transport import Transport
 
@@ -91,8 +92,12 @@ def test_a_new_op_travels_as_a_task_and_answers_over_a_real_socket(served_device
     candidates = torch.stack([w0, w0 * 0.5, w0 + 0.01 * torch.randn_like(w0)]).numpy()
     msgs = {c: Message("task", 1, c, tensors={"model": candidates}, meta={"op": "choose", "traffic": "model"})
             for c in (4, 7)}
-    replies = server.gather(msgs, "result", 30)
-    assert sorted(replies) == [4, 7]
+    # the path a strategy takes: the federation's one exchange call, reported as an event
+    fed = Federation(server, {}, seed=0, timeout_s=30, device=torch.device("cpu"))
+    ex = fed.exchange("choose", 1, msgs, "result")
+    replies = ex.results
+    assert sorted(replies) == sorted(ex.kept) == [4, 7] and fed.take_events() == [ex.report]
+    assert ex.report["bytes"]["down"]["model"] > 2 * candidates.nbytes  # payload + headers
     for c, r in replies.items():
         shard = dev.shards[c]
         want = dev.trainer.losses_of(torch.from_numpy(candidates), [shard.x], [shard.y])[0]
