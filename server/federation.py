@@ -40,6 +40,7 @@ from server.transport import Ledger, Transport
 
 log = logging.getLogger("flt.server")
 
+
 class Federation:
     def __init__(self, transport: Transport, train_cfg: dict, seed: int, timeout_s: float,
                  device: torch.device, shard_sizes: ShardSizes | None = None):

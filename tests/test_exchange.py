@@ -12,11 +12,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from emulator.config import parse_methods
 from emulator.population import Population
 from emulator.profiles import Profiles
 from models.wire import Message
+from server.exchange import Exchange
 from server.federation import _embedded, _trained
+from server.strategies.base import Context
+from server.strategies.flt import FLT
 
 REPO = Path(__file__).resolve().parents[1]
 MB = 1_000_000
@@ -104,3 +109,34 @@ def test_fcr_is_priced_on_the_clock_and_nothing_else_changes(tmp_path):
     assert plain["bytes"] == flt1["bytes"] and plain["acc_mean"] == flt1["acc_mean"]
     (bare_fcr,) = [e for e in plain["events"] if e["kind"] == "exchange"]
     assert bare_fcr["bytes"] == fcr["bytes"] and "duration_s" not in bare_fcr
+
+
+class PricedEmbedder:
+    """Stands in for the federation's embed call with a fixed price per exchange (the real
+    call is run end to end above): every client answers near its cluster's centre."""
+
+    def __init__(self, truth: np.ndarray, seconds: float, nbytes: int):
+        self.truth, self.seconds, self.nbytes = truth, seconds, nbytes
+        self.present = np.arange(len(truth))
+
+    def embed(self, rnd, clients, tensors, meta, purpose="fcr") -> Exchange:
+        rng = np.random.default_rng(rnd)
+        got = {int(c): (np.eye(8)[self.truth[c]] * 5 + 0.1 * rng.normal(size=(3, 8))).astype(np.float32)
+               for c in clients}
+        return Exchange(got, sorted(got), {"kind": "exchange", "exchange": purpose, "duration_s": self.seconds,
+                                           "bytes": {"down": {"encoder": self.nbytes}}})
+
+
+def test_flt_reports_what_its_exchanges_cost_without_reading_the_ledger(tmp_path):
+    truth = np.repeat(np.arange(3), 4)
+    ctx = Context(init=torch.zeros(6), n_clients=len(truth), n_train=np.full(len(truth), 50),
+                  device=torch.device("cpu"), seed=0, run_dir=tmp_path, truth=truth,
+                  train={"rounds": 10, "participation": 0.5}, scenario={"name": "hand"})
+    s = FLT(ctx, **parse_methods([{"name": "flt", "recluster_every": 2}])[0].params)
+    s.encoder_payload = lambda: ({"onnx": np.zeros(4, np.uint8)}, {"format": "onnx"}, {})
+    fed = PricedEmbedder(truth, seconds=7.5, nbytes=1234)  # no transport: FLT may not reach for one
+    s.setup(fed)
+    (event,) = s.maintain(2, fed)
+    assert event["fcr_bytes"] == 1234 and s.fcr_reports[1]["emulated_s"] == 7.5
+    summary = s.summary()
+    assert summary["fcr_emulated_s"] == 7.5 and summary["recluster_emulated_s"] == 7.5
