@@ -143,6 +143,10 @@ def one_hot(labels, clusters: int, like: torch.Tensor) -> torch.Tensor:
 
 def stack(results: dict[int, Result], clients) -> tuple[torch.Tensor, torch.Tensor]:
     """Models [n, P] and sample counts [n] of `clients`, in that order."""
-    models = torch.stack([results[c].model for c in clients])
+    rows = [m for m in (results[c].model for c in clients) if m is not None]
+    if len(rows) != len(clients):  # a device-resident model (Local) never reaches the server
+        missing = [c for c in clients if results[c].model is None]
+        raise ValueError(f"clients {missing[:10]} returned no model: nothing to average")
+    models = torch.stack(rows)
     n = torch.tensor([float(results[c].n) for c in clients], device=models.device)
     return models, n

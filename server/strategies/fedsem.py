@@ -75,8 +75,14 @@ class FedSEM(Strategy):
             d2 = torch.minimum(d2, torch.cdist(models, models[nxt][None]).squeeze(1).double() ** 2)
         return models[picks].clone()
 
+    def placed(self) -> torch.Tensor:
+        """The centres, which exist from the first round in which K clients returned on."""
+        if self.centres is None:
+            raise RuntimeError(f"{self.name}: the centres were used before they were initialised")
+        return self.centres
+
     def nearest(self, models: torch.Tensor) -> np.ndarray:
-        return torch.cdist(models, self.centres).argmin(1).cpu().numpy()
+        return torch.cdist(models, self.placed()).argmin(1).cpu().numpy()
 
     def default_centre(self) -> int:
         """The centre nearest to the sample-weighted average of the centres."""
@@ -84,7 +90,8 @@ class FedSEM(Strategy):
                            minlength=self.k)
         if mass.sum() == 0:
             mass = np.ones(self.k)
-        avg = weighted_average(self.centres, torch.as_tensor(mass, device=self.centres.device))
+        centres = self.placed()
+        avg = weighted_average(centres, torch.as_tensor(mass, device=centres.device))
         return int(self.nearest(avg[None])[0])
 
     # -- rounds -------------------------------------------------------------------------

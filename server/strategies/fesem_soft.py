@@ -46,9 +46,7 @@ class FeSEMSoft(FedSEM):
 
     def responsibilities(self, models: torch.Tensor) -> torch.Tensor:
         """r [K, s]: a softmax over centres of the scaled negative squared distances."""
-        if self.centres is None:  # FedSEM runs the E-step only once the centres exist
-            raise RuntimeError("fesem_soft: E-step before the centres were initialised")
-        d = torch.cdist(models, self.centres) ** 2                   # [s, K]
+        d = torch.cdist(models, self.placed()) ** 2                  # [s, K]
         scale = d.mean().clamp_min(torch.finfo(d.dtype).tiny)       # all models equal: uniform
         r = torch.softmax(-d / (self.temperature * scale), dim=1)
         self.confidence.append(float(r.max(1).values.mean()))

@@ -73,12 +73,13 @@ class IFCA(Strategy):
         z = torch.randn(rows, like.numel(), generator=self.gen, dtype=torch.float32)
         return (self.scale * z).to(like.device, like.dtype)
 
-    def _spawn(self, base: torch.Tensor) -> None:
-        """theta_1 = base, theta_j = base + noise for j > 1."""
+    def _spawn(self, base: torch.Tensor) -> torch.Tensor:
+        """theta_1 = base, theta_j = base + noise for j > 1 (they become self.models)."""
         models = base[None].repeat(self.c, 1)
         if self.c > 1:
             models[1:] += self._noise(self.c - 1, base)
         self.models = models
+        return models
 
     def clustering(self, rnd: int) -> bool:
         return rnd > self.warmup
@@ -89,10 +90,9 @@ class IFCA(Strategy):
             self.sel_warmup += len(selected)
             host = self.global_model.cpu()[None]
             return {int(c): Task(host) for c in selected}
-        if self.models is None:
-            self._spawn(self.global_model)
+        models = self._spawn(self.global_model) if self.models is None else self.models
         self.sel_cluster += len(selected)
-        host = self.models.cpu()  # [C, P], one buffer shared by every message
+        host = models.cpu()  # [C, P], one buffer shared by every message
         return {int(c): Task(host) for c in selected}
 
     def aggregate(self, rnd: int, results: dict[int, Result]) -> None:
@@ -122,11 +122,12 @@ class IFCA(Strategy):
     def _reinit_empty(self, rnd: int) -> None:
         sizes = self.sizes()
         empty = np.flatnonzero(sizes == 0)
-        if len(empty) == 0 or sizes.sum() == 0:
+        models = self.models
+        if len(empty) == 0 or sizes.sum() == 0 or models is None:
             return
         largest = int(sizes.argmax())
-        base = self.models[largest]
-        self.models[torch.as_tensor(empty, device=self.models.device)] = base[None] + self._noise(len(empty), base)
+        base = models[largest]
+        models[torch.as_tensor(empty, device=models.device)] = base[None] + self._noise(len(empty), base)
         self.reinits.append({"round": int(rnd), "clusters": empty.tolist(), "from": largest})
 
     def sizes(self) -> np.ndarray:
