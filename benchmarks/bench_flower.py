@@ -233,7 +233,7 @@ def main(argv=None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     info["loadavg_end"] = list(os.getloadavg())
     ratios = print_table(args, runs, flower_note)
-    versions = {"flwr": _version("flwr"), "ray": _version("ray")}
+    versions = {"flwr": _version("flwr"), "ray": _version("ray"), "repository": _git_revision()}
     results = {"benchmark": "flower_s1", "machine": info, "versions": versions, "args": vars(args),
                "runs": runs, "ratios": ratios, "note": flower_note}
     out = Path(args.out)
@@ -241,6 +241,15 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(results, indent=2, default=str) + "\n")
     print(f"\nwrote {out}")
     return 0
+
+
+def _git_revision() -> str | None:
+    """The commit measured, with -dirty when the working tree had uncommitted changes (shared tree)."""
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def _version(name: str) -> str | None:
