@@ -83,3 +83,29 @@ def test_two_device_processes_map_the_same_cache_file(tmp_path):
     finally:
         transport.close()
         fleet.stop()
+
+
+def test_evaluating_in_slices_of_clients_gives_each_client_the_same_figures():
+    from devices import ops
+    from devices.device import Device
+    from devices.trainer import CohortTrainer
+    from models.flat import flatten, param_spec
+    from models.nets import build_model
+    from models.wire import Message
+
+    ds = load_shared("digits", None, train=False)
+    split = (Images(ds.x, torch.device("cpu")), torch.from_numpy(np.array(ds.y)))
+    dev = Device("tcp://127.0.0.1:9", name="t")  # connect is lazy: no server needed here
+    try:
+        model = build_model("mlp", (1, 28, 28), 10)
+        dev.trainer = CohortTrainer(model, param_spec(model))
+        base = flatten(model).detach().numpy()
+        batch = []
+        for c in range(5):  # unequal test shards, a different model each
+            dev.shards[c] = _shard(split, split, np.arange(c, 40, 5), np.arange(3 * c, 3 * c + 4 + 7 * c))
+            batch.append(Message("evaluate", 1, c, tensors={"model": (base + 0.01 * c)[None]}, meta={"batch": 1}))
+        whole = [m.meta for m in ops.evaluate(dev, batch)]
+        assert [m.meta for m in ops.evaluate(dev, batch, slice_size=2)] == whole
+        assert [m["total"] for m in whole] == [4.0, 11.0, 18.0, 25.0, 32.0]
+    finally:
+        dev.sock.close(linger=0)
