@@ -160,7 +160,7 @@ class Device:
         train = self._dataset(spec["dataset"]["name"], root, True, spec["dataset"].get("download", False))
         test = self._dataset(spec["dataset"]["name"], root, False, spec["dataset"].get("download", False))
         self.splits = (train, test)
-        for cid, tr, te in zip(t["clients"], _split(t, "train"), _split(t, "test")):
+        for cid, tr, te in zip(t["clients"], _split(t, "train"), _split(t, "test"), strict=True):
             self.shards[int(cid)] = _shard(train, test, tr, te)
         m = spec["model"]
         model = build_model(m["name"], tuple(m["in_shape"]), m["num_classes"])

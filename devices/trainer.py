@@ -38,7 +38,7 @@ def _pad(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack variable-length per-client tensors into [B, Nmax, ...] plus their lengths."""
     lengths = torch.tensor([len(t) for t in tensors])
     nmax = int(lengths.max())
-    out = tensors[0].new_zeros((len(tensors), nmax) + tuple(tensors[0].shape[1:]))
+    out = tensors[0].new_zeros((len(tensors), nmax, *tuple(tensors[0].shape[1:])))
     for i, t in enumerate(tensors):  # one copy per client, not per sample
         out[i, : len(t)] = t
     return out, lengths
@@ -53,7 +53,7 @@ def epoch_batches(lengths: torch.Tensor, batch_size: int, gens: list[torch.Gener
     b, nmax = len(lengths), int(lengths.max())
     steps = math.ceil(nmax / batch_size)
     order = torch.zeros(b, steps * batch_size, dtype=torch.int64)
-    for i, (n, g) in enumerate(zip(lengths.tolist(), gens)):  # one draw per client
+    for i, (n, g) in enumerate(zip(lengths.tolist(), gens, strict=True)):  # one draw per client
         order[i, :n] = torch.randperm(n, generator=g)
     pos = torch.arange(steps * batch_size)[None, :]
     # a client with n samples uses ceil(n/batch) steps: its last batch may be short
@@ -125,10 +125,10 @@ class CohortTrainer:
         drawn from gens[i] (its padding steps get zeros and never train)."""
         out = {}
         for name, shape in self._dropout_shapes(sample).items():
-            noise = torch.zeros((len(gens), steps * batch_size) + shape)
-            for i, (n, g) in enumerate(zip(lengths.tolist(), gens)):
-                noise[i, :n] = torch.rand((n,) + shape, generator=g)
-            out[f"{name}.noise"] = noise.view((len(gens), steps, batch_size) + shape)
+            noise = torch.zeros((len(gens), steps * batch_size, *shape))
+            for i, (n, g) in enumerate(zip(lengths.tolist(), gens, strict=True)):
+                noise[i, :n] = torch.rand((n, *shape), generator=g)
+            out[f"{name}.noise"] = noise.view((len(gens), steps, batch_size, *shape))
         return out
 
     def _dropout_shapes(self, sample: torch.Tensor) -> dict[str, tuple]:
@@ -211,7 +211,7 @@ class CohortTrainer:
                                                             gens, xs[0])))
         self.model.train()
         loss_fn = self._loss_fn(cfg)
-        for i, (x, y) in enumerate(zip(xs, ys)):
+        for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
             params = {k: v.clone().requires_grad_(True)
                       for k, v in unflatten(start[i].float(), self.spec).items()}
             anchor = {k: v.detach().clone() for k, v in params.items()}
