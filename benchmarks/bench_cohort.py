@@ -15,6 +15,7 @@ linear in clients: each one runs alone). Prints seconds per round (train one epo
 evaluate) and the ratio loop / vmap measured in the same run; writes
 benchmarks/results/cohort_<device>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,19 +79,37 @@ def bench(model: str, clients: int, samples: int, loop_clients: int, device, rep
     k = min(loop_clients, clients)
     loop_s = time_round(trainer, init, xs[:k], ys[:k], False, device, 1) * clients / k
     steps = sum(-(-len(x) // 10) for x in xs)
-    return {"model": model, "clients": clients, "mean_samples": samples, "sgd_steps": steps,
-            "vmap_s": vmap_s, "loop_s": loop_s, "loop_timed_on_clients": k,
-            "loop_over_vmap": loop_s / vmap_s, "faster": "vmap" if vmap_s < loop_s else "loop"}
+    return {
+        "model": model,
+        "clients": clients,
+        "mean_samples": samples,
+        "sgd_steps": steps,
+        "vmap_s": vmap_s,
+        "loop_s": loop_s,
+        "loop_timed_on_clients": k,
+        "loop_over_vmap": loop_s / vmap_s,
+        "faster": "vmap" if vmap_s < loop_s else "loop",
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--models", nargs="+", default=["mlp", "leaf_cnn", "cifar_cnn"], choices=list(SHAPES))
-    ap.add_argument("--clients", nargs="+", type=int, default=[48, 24, 20],
-                    help="cohort size per model (the paper's S4 round: 480 MLP, 120 CNN clients)")
-    ap.add_argument("--samples", nargs="+", type=int, default=[250, 140, 500],
-                    help="mean samples per client per model (S4 MLP ~25 steps; FEMNIST writers ~140)")
+    ap.add_argument(
+        "--clients",
+        nargs="+",
+        type=int,
+        default=[48, 24, 20],
+        help="cohort size per model (the paper's S4 round: 480 MLP, 120 CNN clients)",
+    )
+    ap.add_argument(
+        "--samples",
+        nargs="+",
+        type=int,
+        default=[250, 140, 500],
+        help="mean samples per client per model (S4 MLP ~25 steps; FEMNIST writers ~140)",
+    )
     ap.add_argument("--loop-clients", type=int, default=12)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a device process uses 1)")
@@ -107,8 +126,10 @@ def main() -> None:
     for model, b, s in zip(args.models, clients, samples, strict=True):
         r = bench(model, b, s, args.loop_clients, device, args.reps)
         rows.append(r)
-        print(f"{model:<10} {b:>7} {r['sgd_steps']:>6} {r['vmap_s']:>9.3f} {r['loop_s']:>9.3f} "
-              f"{r['loop_over_vmap']:>9.2f}  (loop timed on {r['loop_timed_on_clients']} clients)")
+        print(
+            f"{model:<10} {b:>7} {r['sgd_steps']:>6} {r['vmap_s']:>9.3f} {r['loop_s']:>9.3f} "
+            f"{r['loop_over_vmap']:>9.2f}  (loop timed on {r['loop_timed_on_clients']} clients)"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"cohort_{device.type}.json"

@@ -15,6 +15,7 @@ settings reached the same accuracies (CURVE must not change a result).
 
 Writes benchmarks/results/curve.json (change it with --out).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,9 +44,14 @@ def one_run(args, data_root: Path, work: Path, security: str, repeat: int) -> di
     from emulator import config
     from emulator.run import run_scenario
 
-    overrides = [f"train.rounds={args.rounds}", f"train.eval_every={args.rounds}",
-                 f"devices.processes={args.processes}", f"data.root={data_root}", f"seed={args.seed}",
-                 f"devices.security={security}"]
+    overrides = [
+        f"train.rounds={args.rounds}",
+        f"train.eval_every={args.rounds}",
+        f"devices.processes={args.processes}",
+        f"data.root={data_root}",
+        f"seed={args.seed}",
+        f"devices.security={security}",
+    ]
     cfg = config.load(args.scenario, overrides, methods=["fedavg"])
     run_dir = work / f"{security}-{repeat}"
     cpu0 = _cpu_s()
@@ -56,9 +62,14 @@ def one_run(args, data_root: Path, work: Path, security: str, repeat: int) -> di
     rows = [json.loads(x) for x in (run_dir / "fedavg" / "metrics.jsonl").read_text().splitlines() if x]
     train_s = [r.get("timing", r)["train_s"] for r in rows]
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"security": summary["security"], "total_s": total, "cpu_s": cpu, "per_round_s": train_s,
-            "median_round_s": median(train_s[1:] or train_s),
-            "accuracies": [r.get("acc_mean") for r in rows]}
+    return {
+        "security": summary["security"],
+        "total_s": total,
+        "cpu_s": cpu,
+        "per_round_s": train_s,
+        "median_round_s": median(train_s[1:] or train_s),
+        "accuracies": [r.get("acc_mean") for r in rows],
+    }
 
 
 def _cpu_s() -> float:
@@ -88,8 +99,11 @@ def main(argv=None) -> int:
             for security in SETTINGS:
                 run = one_run(args, data_root, work, security, repeat)
                 runs[security].append(run)
-                print(f"{security:5s} #{repeat}: {run['median_round_s']:.3f} s/round "
-                      f"(run {run['total_s']:.1f} s, mechanism {run['security']['mechanism']})", flush=True)
+                print(
+                    f"{security:5s} #{repeat}: {run['median_round_s']:.3f} s/round "
+                    f"(run {run['total_s']:.1f} s, mechanism {run['security']['mechanism']})",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     info["loadavg_end"] = list(os.getloadavg())
@@ -100,17 +114,29 @@ def main(argv=None) -> int:
     best = {s: min(r["median_round_s"] for r in runs[s]) for s in SETTINGS}
     cpu = {s: median([r["cpu_s"] for r in runs[s]]) for s in SETTINGS}
     same = all(r["accuracies"] == runs["none"][0]["accuracies"] for s in SETTINGS for r in runs[s])
-    result = {"benchmark": "curve", "machine": info, "args": vars(args), "runs": runs,
-              "median_round_s": per, "min_round_s": best, "median_run_cpu_s": cpu,
-              "curve_over_none_min": best["curve"] / best["none"],
-              "curve_over_none_median": per["curve"] / per["none"],
-              "extra_cpu_s_per_round": (cpu["curve"] - cpu["none"]) / args.rounds, "same_accuracies": same}
-    print(f"\nS1-MNIST FedAvg, {args.processes} device processes, {args.rounds} rounds x {args.repeats} "
-          f"repeats, seconds per round (round 1 excluded)")
+    result = {
+        "benchmark": "curve",
+        "machine": info,
+        "args": vars(args),
+        "runs": runs,
+        "median_round_s": per,
+        "min_round_s": best,
+        "median_run_cpu_s": cpu,
+        "curve_over_none_min": best["curve"] / best["none"],
+        "curve_over_none_median": per["curve"] / per["none"],
+        "extra_cpu_s_per_round": (cpu["curve"] - cpu["none"]) / args.rounds,
+        "same_accuracies": same,
+    }
+    print(
+        f"\nS1-MNIST FedAvg, {args.processes} device processes, {args.rounds} rounds x {args.repeats} "
+        f"repeats, seconds per round (round 1 excluded)"
+    )
     for s in SETTINGS:
         print(f"  {s:5s}  min {best[s]:.3f}  median {per[s]:.3f}  run CPU s (median) {cpu[s]:.1f}")
-    print(f"  curve / none: {result['curve_over_none_min']:.3f} (min), {result['curve_over_none_median']:.3f} "
-          f"(median); extra CPU {result['extra_cpu_s_per_round']:+.3f} s per round; same accuracies: {same}")
+    print(
+        f"  curve / none: {result['curve_over_none_min']:.3f} (min), {result['curve_over_none_median']:.3f} "
+        f"(median); extra CPU {result['extra_cpu_s_per_round']:+.3f} s per round; same accuracies: {same}"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

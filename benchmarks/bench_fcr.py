@@ -23,6 +23,7 @@ Run:
 
 Writes a JSON file (default benchmarks/results/fcr.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,8 +85,12 @@ def main(argv=None) -> int:
     p.add_argument("--gamma", type=float, default=0.5, help="A~ threshold in UMAP units (S1 uses 0.5)")
     p.add_argument("--reps", type=int, default=3, help="timed repeats of adjacency and Ward (median)")
     p.add_argument("--naive-max", type=int, default=100, help="run the naive loop for M up to this")
-    p.add_argument("--threads", type=int, default=TORCH_DEFAULT_THREADS,
-                   help=f"torch threads (default {TORCH_DEFAULT_THREADS}: torch's default)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=TORCH_DEFAULT_THREADS,
+        help=f"torch threads (default {TORCH_DEFAULT_THREADS}: torch's default)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "fcr.json"))
     args = p.parse_args(argv)
@@ -99,9 +104,11 @@ def main(argv=None) -> int:
     from server.fcr import PRESETS, min_distance_adjacency, relate, umap_project
 
     info = machine_info()
-    print(f"machine: {info['cpu_model'] or '?'}; os.cpu_count={info['os_cpu_count']}, "
-          f"affinity={info['sched_affinity']}, torch {info['torch']} ({args.threads} threads set, default "
-          f"{TORCH_DEFAULT_THREADS}), device={info['device']}, loadavg={info['loadavg_start']}")
+    print(
+        f"machine: {info['cpu_model'] or '?'}; os.cpu_count={info['os_cpu_count']}, "
+        f"affinity={info['sched_affinity']}, torch {info['torch']} ({args.threads} threads set, default "
+        f"{TORCH_DEFAULT_THREADS}), device={info['device']}, loadavg={info['loadavg_start']}"
+    )
     print(f"k={args.k}, e={args.e}, planted clusters={args.clusters}, gamma={args.gamma}")
 
     # numba JIT of umap/pynndescent: a one-off per process, kept out of the per-M figures
@@ -137,40 +144,57 @@ def main(argv=None) -> int:
         row["default_clusters_found"] = int(found.n_clusters)
         row["default_ari_vs_planted"] = float(adjusted_rand_score(truth, found.labels))
         rows.append(row)
-        print(f"    paper: umap {row['umap_s']:.2f} s, adjacency + Ward {row['ward_s'] * 1e3:.1f} ms, "
-              f"C={found.n_clusters}, ARI={row['ari_vs_planted']:.3f}; default (no UMAP): "
-              f"{row['default_s']:.2f} s, C={row['default_clusters_found']}, "
-              f"ARI={row['default_ari_vs_planted']:.3f}")
+        print(
+            f"    paper: umap {row['umap_s']:.2f} s, adjacency + Ward {row['ward_s'] * 1e3:.1f} ms, "
+            f"C={found.n_clusters}, ARI={row['ari_vs_planted']:.3f}; default (no UMAP): "
+            f"{row['default_s']:.2f} s, C={row['default_clusters_found']}, "
+            f"ARI={row['default_ari_vs_planted']:.3f}"
+        )
 
     print()
     print(f"FCR server side (k={args.k}, e={args.e}); seconds (median of {args.reps} for adjacency and Ward)")
-    head = (f"  {'M':>5} {'UMAP':>8} {'adj u=2':>9} {'naive u=2':>10} {'ratio':>8} "
-            f"{'adj e=' + str(args.e):>9} {'naive e':>9} {'ratio':>8} {'Ward':>8} {'total':>8} {'C':>3} {'ARI':>6}"
-            f" {'default':>8} {'C':>3} {'ARI':>6}")
+    head = (
+        f"  {'M':>5} {'UMAP':>8} {'adj u=2':>9} {'naive u=2':>10} {'ratio':>8} "
+        f"{'adj e=' + str(args.e):>9} {'naive e':>9} {'ratio':>8} {'Ward':>8} {'total':>8} {'C':>3} {'ARI':>6}"
+        f" {'default':>8} {'C':>3} {'ARI':>6}"
+    )
     print(head)
     for r in rows:
+
         def f(key, w=8, d=4, r=r):  # r bound now, not looked up later
             v = r.get(key)
             return "-".rjust(w) if v is None else f"{v:{w}.{d}f}"
+
         ratio_u = "-".rjust(7) if "naive_over_vectorized_u2" not in r else f"{r['naive_over_vectorized_u2']:6.0f}x"
         ratio_e = "-".rjust(7) if "naive_over_vectorized_e" not in r else f"{r['naive_over_vectorized_e']:6.0f}x"
-        print(f"  {r['M']:>5} {f('umap_s', 8, 2)} {f('adjacency_u2_s', 9)} {f('naive_u2_s', 10)} {ratio_u:>8} "
-              f"{f('adjacency_e_s', 9)} {f('naive_e_s', 9)} {ratio_e:>8} {f('ward_s')} "
-              f"{f('fcr_server_total_s', 8, 2)} {r['clusters_found']:>3} {r['ari_vs_planted']:6.3f}"
-              f" {f('default_s', 8, 2)} {r['default_clusters_found']:>3} {r['default_ari_vs_planted']:6.3f}")
+        print(
+            f"  {r['M']:>5} {f('umap_s', 8, 2)} {f('adjacency_u2_s', 9)} {f('naive_u2_s', 10)} {ratio_u:>8} "
+            f"{f('adjacency_e_s', 9)} {f('naive_e_s', 9)} {ratio_e:>8} {f('ward_s')} "
+            f"{f('fcr_server_total_s', 8, 2)} {r['clusters_found']:>3} {r['ari_vs_planted']:6.3f}"
+            f" {f('default_s', 8, 2)} {r['default_clusters_found']:>3} {r['default_ari_vs_planted']:6.3f}"
+        )
     for r in rows:
         if "naive_u2_max_abs_diff" in r:
-            print(f"  M={r['M']}: vectorized vs naive max |diff|: u=2 {r['naive_u2_max_abs_diff']:.2e}, "
-                  f"e={args.e} {r['naive_e_max_abs_diff']:.2e}")
-    print("  (paper total = UMAP + adjacency u=2 + Ward; default = Chamfer in e-dim + average linkage + "
-          "silhouette, the whole server side of FCR's default pipeline; the authors' 38 min one-off FCR "
-          "also included client-side embedding and k-means, not timed here)")
+            print(
+                f"  M={r['M']}: vectorized vs naive max |diff|: u=2 {r['naive_u2_max_abs_diff']:.2e}, "
+                f"e={args.e} {r['naive_e_max_abs_diff']:.2e}"
+            )
+    print(
+        "  (paper total = UMAP + adjacency u=2 + Ward; default = Chamfer in e-dim + average linkage + "
+        "silhouette, the whole server side of FCR's default pipeline; the authors' 38 min one-off FCR "
+        "also included client-side embedding and k-means, not timed here)"
+    )
 
     info["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "fcr", "machine": info, "args": vars(args),
-                               "umap_jit_warmup_s": jit_s, "results": rows}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {"benchmark": "fcr", "machine": info, "args": vars(args), "umap_jit_warmup_s": jit_s, "results": rows},
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"\nwrote {out}")
     return 0
 

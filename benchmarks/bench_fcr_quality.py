@@ -27,6 +27,7 @@ Run (needs the real data in ../shared/data, or $FLT_DATA; the first run pretrain
 Writes benchmarks/results/fcr_quality.json and prints the tables. Centroids are cached
 under benchmarks/.cache/fcr_quality (delete it to re-embed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,36 +77,106 @@ class Case:
 def structured(c: int) -> dict:
     # S4's sampler on FEMNIST's pooled writers: C clusters of 8 classes (62 // C apart),
     # 10 clients per cluster, power-law sizes with a floor of 20 samples per client
-    return {"kind": "structured", "clusters": c, "classes_per_cluster": 8, "clients": 10 * c,
-            "alpha": 20.0, "delta": 0.5, "test_per_client": 20}
+    return {
+        "kind": "structured",
+        "clusters": c,
+        "classes_per_cluster": 8,
+        "clients": 10 * c,
+        "alpha": 20.0,
+        "delta": 0.5,
+        "test_per_client": 20,
+    }
 
 
 SUITE = [
-    Case("digits-s1-m20", "digits", {**S1, "clients": 20, "samples_per_client": 50, "test_per_client": 20},
-         {"dataset": "public", "epochs": 100}, (0, 1, 2), None, 0.2),
+    Case(
+        "digits-s1-m20",
+        "digits",
+        {**S1, "clients": 20, "samples_per_client": 50, "test_per_client": 20},
+        {"dataset": "public", "epochs": 100},
+        (0, 1, 2),
+        None,
+        0.2,
+    ),
     Case("mnist-s1-m100-enc1", "mnist", {**S1, "clients": 100, "samples_per_client": 600}, ENC_FEMNIST, (0, 1)),
     Case("mnist-s2-m100-enc1", "mnist", {**S2, "clients": 100, "samples_per_client": 600}, ENC_FEMNIST, (0, 1)),
     Case("mnist-s1-m50-enc2", "mnist", {**S1, "clients": 50, "samples_per_client": 600}, ENC2_FMNIST),
     Case("mnist-s1-m600-enc1", "mnist", {**S1, "clients": 600, "samples_per_client": 90}, ENC_FEMNIST),
-    Case("fmnist-s1-m100-enc1", "fashion_mnist", {**S1, "clients": 100, "samples_per_client": 500},
-         ENC_PUBLIC, (0, 1), public_fraction=0.1),
-    Case("fmnist-s2-m100-enc1", "fashion_mnist", {**S2, "clients": 100, "samples_per_client": 500},
-         ENC_PUBLIC, (0, 1), public_fraction=0.1),
+    Case(
+        "fmnist-s1-m100-enc1",
+        "fashion_mnist",
+        {**S1, "clients": 100, "samples_per_client": 500},
+        ENC_PUBLIC,
+        (0, 1),
+        public_fraction=0.1,
+    ),
+    Case(
+        "fmnist-s2-m100-enc1",
+        "fashion_mnist",
+        {**S2, "clients": 100, "samples_per_client": 500},
+        ENC_PUBLIC,
+        (0, 1),
+        public_fraction=0.1,
+    ),
     Case("fmnist-s2-m50-enc2", "fashion_mnist", {**S2, "clients": 50, "samples_per_client": 500}, ENC2_MNIST),
-    Case("cifar10-s1-m100-enc1", "cifar10_jpg", {**S1, "clients": 100, "samples_per_client": 450},
-         ENC_PUBLIC, root=str(DATA / "cifar10-jpg"), public_fraction=0.1),
-    Case("cifar10-s2-m100-enc1", "cifar10_jpg", {**S2, "clients": 100, "samples_per_client": 450},
-         ENC_PUBLIC, root=str(DATA / "cifar10-jpg"), public_fraction=0.1),
-    *[Case(f"femnist-structured-c{c}", "femnist", structured(c), ENC_PUBLIC, (0, 1),
-           root=str(DATA / "femnist"), public_fraction=0.1) for c in (3, 5, 10)],
-    Case("mnist-dirichlet-a0.1", "mnist", {"kind": "dirichlet", "clients": 100, "alpha": 0.1,
-         "samples_per_client": 500}, ENC_FEMNIST, note="no planted clusters"),
-    Case("mnist-dirichlet-a1", "mnist", {"kind": "dirichlet", "clients": 100, "alpha": 1.0,
-         "samples_per_client": 500}, ENC_FEMNIST, note="no planted clusters"),
-    Case("mnist-iid-a100", "mnist", {"kind": "dirichlet", "clients": 100, "alpha": 100.0,
-         "samples_per_client": 500}, ENC_FEMNIST, note="no structure: one cluster is right"),
-    Case("femnist-writers", "femnist", {"kind": "writers", "clients": 105}, ENC_PUBLIC,
-         root=str(DATA / "femnist"), public_fraction=0.1, note="natural clients, no planted clusters"),
+    Case(
+        "cifar10-s1-m100-enc1",
+        "cifar10_jpg",
+        {**S1, "clients": 100, "samples_per_client": 450},
+        ENC_PUBLIC,
+        root=str(DATA / "cifar10-jpg"),
+        public_fraction=0.1,
+    ),
+    Case(
+        "cifar10-s2-m100-enc1",
+        "cifar10_jpg",
+        {**S2, "clients": 100, "samples_per_client": 450},
+        ENC_PUBLIC,
+        root=str(DATA / "cifar10-jpg"),
+        public_fraction=0.1,
+    ),
+    *[
+        Case(
+            f"femnist-structured-c{c}",
+            "femnist",
+            structured(c),
+            ENC_PUBLIC,
+            (0, 1),
+            root=str(DATA / "femnist"),
+            public_fraction=0.1,
+        )
+        for c in (3, 5, 10)
+    ],
+    Case(
+        "mnist-dirichlet-a0.1",
+        "mnist",
+        {"kind": "dirichlet", "clients": 100, "alpha": 0.1, "samples_per_client": 500},
+        ENC_FEMNIST,
+        note="no planted clusters",
+    ),
+    Case(
+        "mnist-dirichlet-a1",
+        "mnist",
+        {"kind": "dirichlet", "clients": 100, "alpha": 1.0, "samples_per_client": 500},
+        ENC_FEMNIST,
+        note="no planted clusters",
+    ),
+    Case(
+        "mnist-iid-a100",
+        "mnist",
+        {"kind": "dirichlet", "clients": 100, "alpha": 100.0, "samples_per_client": 500},
+        ENC_FEMNIST,
+        note="no structure: one cluster is right",
+    ),
+    Case(
+        "femnist-writers",
+        "femnist",
+        {"kind": "writers", "clients": 105},
+        ENC_PUBLIC,
+        root=str(DATA / "femnist"),
+        public_fraction=0.1,
+        note="natural clients, no planted clusters",
+    ),
 ]
 
 
@@ -130,10 +201,15 @@ def variants():
 # -- running FCR's client side once per case and seed ---------------------------------------
 def scenario(case: Case, seed: int) -> dict:
     part = {"test_per_client": 100, "public_fraction": case.public_fraction, **case.partition}
-    return {"name": f"fcrq-{case.name}", "seed": seed,
-            "data": {"dataset": case.dataset, "root": case.root},
-            "partition": part, "model": "mlp", "devices": {"processes": 2, "round_timeout_s": 1800},
-            "methods": [{"name": "flt", "encoder": case.encoder}]}
+    return {
+        "name": f"fcrq-{case.name}",
+        "seed": seed,
+        "data": {"dataset": case.dataset, "root": case.root},
+        "partition": part,
+        "model": "mlp",
+        "devices": {"processes": 2, "round_timeout_s": 1800},
+        "methods": [{"name": "flt", "encoder": case.encoder}],
+    }
 
 
 def centroids_for(case: Case, seed: int, fresh: bool = False) -> dict:
@@ -151,8 +227,11 @@ def centroids_for(case: Case, seed: int, fresh: bool = False) -> dict:
     with np.load(npz) as z:
         owner, cents, truth = z["owner"], z["centroids"], z["truth"]
     clients = np.unique(owner)
-    return {"sets": [cents[owner == c] for c in clients], "truth": truth,
-            "embed_s": float((out / "embed_seconds.txt").read_text())}
+    return {
+        "sets": [cents[owner == c] for c in clients],
+        "truth": truth,
+        "embed_s": float((out / "embed_seconds.txt").read_text()),
+    }
 
 
 def probe_accuracy(sets: list[np.ndarray], truth: np.ndarray, seed: int = 0) -> float | None:
@@ -183,7 +262,7 @@ def knn_accuracy(sets: list[np.ndarray], truth: np.ndarray, k: int = 5) -> float
     x = np.concatenate(sets)
     owner = np.repeat(np.arange(len(sets)), [len(s) for s in sets])
     d = cdist(x, x)
-    d[owner[:, None] == owner[None, :]] = np.inf          # a client never votes for itself
+    d[owner[:, None] == owner[None, :]] = np.inf  # a client never votes for itself
     near = np.argpartition(d, k, axis=1)[:, :k]
     votes = np.zeros((len(sets), int(truth.max()) + 1))
     np.add.at(votes, (np.repeat(owner, k), truth[owner[near]].ravel()), 1)
@@ -200,9 +279,12 @@ def evaluate(sets, truth, how, seed: int, umap_points) -> dict:
     if (truth >= 0).all():
         planted = len(np.unique(truth))
         given = fcr.relate(points, how, n_clusters=planted)
-        out |= {"ari": adjusted_rand_score(truth, found.labels),
-                "nmi": normalized_mutual_info_score(truth, found.labels),
-                "ari_true_c": adjusted_rand_score(truth, given.labels), "planted": planted}
+        out |= {
+            "ari": adjusted_rand_score(truth, found.labels),
+            "nmi": normalized_mutual_info_score(truth, found.labels),
+            "ari_true_c": adjusted_rand_score(truth, given.labels),
+            "planted": planted,
+        }
     return out
 
 
@@ -225,16 +307,27 @@ def main() -> None:
             tic = time.perf_counter()
             umap_points = fcr.umap_project(sets, seed=seed)
             umap_s = time.perf_counter() - tic
-            row = {"case": case.name, "seed": seed, "clients": len(sets), "note": case.note,
-                   "embed_s": got["embed_s"], "umap_s": umap_s,
-                   "probe": probe_accuracy(sets, truth, seed), "knn": knn_accuracy(sets, truth),
-                   "variants": {}}
+            row = {
+                "case": case.name,
+                "seed": seed,
+                "clients": len(sets),
+                "note": case.note,
+                "embed_s": got["embed_s"],
+                "umap_s": umap_s,
+                "probe": probe_accuracy(sets, truth, seed),
+                "knn": knn_accuracy(sets, truth),
+                "variants": {},
+            }
             for name, how in variants().items():
                 row["variants"][name] = evaluate(sets, truth, how, seed, umap_points)
             rows.append(row)
             print(_row_line(row), flush=True)
-    result = {"machine": machine_info(), "cases": [asdict(c) for c in SUITE if args.only in c.name],
-              "rows": rows, "worst": worst_case(rows)}
+    result = {
+        "machine": machine_info(),
+        "cases": [asdict(c) for c in SUITE if args.only in c.name],
+        "rows": rows,
+        "worst": worst_case(rows),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2, default=float))
     print(table(rows))
@@ -258,18 +351,25 @@ def worst_case(rows) -> dict:
         planted = [r["variants"][name] for r in rows if r["probe"] is not None]
         if not planted:
             continue
-        out[name] = {"worst_ari_separable": min((v["ari"] for v in sep), default=None),
-                     "mean_ari_separable": float(np.mean([v["ari"] for v in sep])) if sep else None,
-                     "right_c": sum(v["clusters"] == v["planted"] for v in planted), "cases": len(planted),
-                     "iid_clusters": [r["variants"][name]["clusters"] for r in rows if "iid" in r["case"]]}
+        out[name] = {
+            "worst_ari_separable": min((v["ari"] for v in sep), default=None),
+            "mean_ari_separable": float(np.mean([v["ari"] for v in sep])) if sep else None,
+            "right_c": sum(v["clusters"] == v["planted"] for v in planted),
+            "cases": len(planted),
+            "iid_clusters": [r["variants"][name]["clusters"] for r in rows if "iid" in r["case"]],
+        }
     return out
 
 
 def table(rows) -> str:
     names = list(variants())
-    lines = ["", "ARI with C chosen automatically (clusters found / planted); knn / probe: how well the "
-             "embedding separates the planted clusters (see the docstring); C=n: clusters found where "
-             "nothing is planted", ""]
+    lines = [
+        "",
+        "ARI with C chosen automatically (clusters found / planted); knn / probe: how well the "
+        "embedding separates the planted clusters (see the docstring); C=n: clusters found where "
+        "nothing is planted",
+        "",
+    ]
     short = {n: f"V{i + 1}" for i, n in enumerate(names)}
     lines += [f"  {short[n]} = {n}" for n in names] + [""]
     head = f"{'case':<28}{'seed':>5}{'knn':>6}{'probe':>7}" + "".join(f"{short[n]:>12}" for n in names)
@@ -282,8 +382,10 @@ def table(rows) -> str:
         probe = "-" if r["probe"] is None else f"{r['probe']:.2f}"
         knn = "-" if r["knn"] is None else f"{r['knn']:.2f}"
         lines.append(f"{r['case']:<28}{r['seed']:>5}{knn:>6}{probe:>7}" + "".join(f"{c:>12}" for c in cells))
-    lines += ["", f"{'worst case over separable cases (knn >= 0.9)':<40}"
-                  f"{'worst ARI':>10}{'mean ARI':>10}{'right C':>9}"]
+    lines += [
+        "",
+        f"{'worst case over separable cases (knn >= 0.9)':<40}{'worst ARI':>10}{'mean ARI':>10}{'right C':>9}",
+    ]
     for n, w in worst_case(rows).items():
         wa = "-" if w["worst_ari_separable"] is None else f"{w['worst_ari_separable']:.3f}"
         ma = "-" if w["mean_ari_separable"] is None else f"{w['mean_ari_separable']:.3f}"

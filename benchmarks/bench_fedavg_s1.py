@@ -24,6 +24,7 @@ Run from anywhere (paths are resolved against the repository root):
 
 Writes a JSON file (default benchmarks/results/fedavg_s1.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,22 +85,28 @@ def resolve_data_root(arg: str | None) -> Path:
     try:
         load_dataset("mnist", root, train=False)
     except Exception as exc:  # DataError, FileNotFoundError, ...
-        sys.exit(f"error: MNIST not found under {root} ({exc}).\n"
-                 "Put MNIST's four IDX files there (../shared/data relative to the repository root) "
-                 "or pass --data-root DIR.")
+        sys.exit(
+            f"error: MNIST not found under {root} ({exc}).\n"
+            "Put MNIST's four IDX files there (../shared/data relative to the repository root) "
+            "or pass --data-root DIR."
+        )
     return root
 
 
 # ----------------------------------------------------------------------------- (a) emulator
-def run_emulator(args, data_root: Path, work: Path, label: str, eval_every: int,
-                 extra: list[str] = ()) -> dict:
+def run_emulator(args, data_root: Path, work: Path, label: str, eval_every: int, extra: list[str] = ()) -> dict:
     """One emulator run of fedavg; returns its per-round timings."""
     from emulator import config
     from emulator.run import run_scenario
 
-    overrides = [f"train.rounds={args.rounds}", f"devices.processes={args.processes}",
-                 f"train.eval_every={eval_every}", f"data.root={data_root}", f"seed={args.seed}",
-                 *extra]
+    overrides = [
+        f"train.rounds={args.rounds}",
+        f"devices.processes={args.processes}",
+        f"train.eval_every={eval_every}",
+        f"data.root={data_root}",
+        f"seed={args.seed}",
+        *extra,
+    ]
     cfg = config.load(args.scenario, overrides, methods=["fedavg"])
     run_dir = work / label
     marks: dict[str, float] = {}
@@ -130,12 +137,15 @@ def run_emulator(args, data_root: Path, work: Path, label: str, eval_every: int,
     round1_start = marks.get("round1_end", t0 + total) - r1["train_s"]
     last = next((r for r in reversed(records) if "acc_mean" in r), {})
     return {
-        "label": label, "overrides": overrides, "run_dir": str(run_dir),
-        "rounds": len(records), "eval_every": eval_every,
-        "median_round_s": median(train_only),             # rounds 2..T without evaluation
-        "median_round_with_eval_s": median(with_eval),    # rounds 2..T that evaluated
+        "label": label,
+        "overrides": overrides,
+        "run_dir": str(run_dir),
+        "rounds": len(records),
+        "eval_every": eval_every,
+        "median_round_s": median(train_only),  # rounds 2..T without evaluation
+        "median_round_with_eval_s": median(with_eval),  # rounds 2..T that evaluated
         "round1_s": r1["train_s"],
-        "startup_s": round1_start - t0,                   # call -> round 1 starts
+        "startup_s": round1_start - t0,  # call -> round 1 starts
         "devices_ready_s": (marks["devices_ready"] - t0) if "devices_ready" in marks else None,
         "total_s": total,
         "per_round_s": per_round,
@@ -172,8 +182,7 @@ def load_shards(args, data_root: Path, run_dir: Path | None):
     return cfg, shards, init, spec, source
 
 
-def run_reference(cfg: dict, shards, init: torch.Tensor, spec: dict, rounds: int, threads: int,
-                  seed: int) -> dict:
+def run_reference(cfg: dict, shards, init: torch.Tensor, spec: dict, rounds: int, threads: int, seed: int) -> dict:
     from emulator.population import Population
     from models.nets import build_model
 
@@ -201,13 +210,16 @@ def run_reference(cfg: dict, shards, init: torch.Tensor, spec: dict, rounds: int
         times.append(time.perf_counter() - tic)
     # untimed sanity check: mean per-client test accuracy of the final global model
     vector_to_parameters(global_vec, model.parameters())
-    return {"threads": threads, "per_round_s": times,
-            "median_round_s": median(times[1:] if len(times) > 1 else times),
-            "round1_s": times[0], "final_acc_mean": mean_client_accuracy(model, shards)}
+    return {
+        "threads": threads,
+        "per_round_s": times,
+        "median_round_s": median(times[1:] if len(times) > 1 else times),
+        "round1_s": times[0],
+        "final_acc_mean": mean_client_accuracy(model, shards),
+    }
 
 
-def train_client(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float, bs: int,
-                 epochs: int) -> None:
+def train_client(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float, bs: int, epochs: int) -> None:
     """Plain torch SGD on one client's shard, in place: the loop a Flower user would write
     (also what the Flower clients of flower_app.py run)."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -215,7 +227,7 @@ def train_client(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: f
     for _ in range(epochs):
         perm = torch.randperm(len(y))
         for lo in range(0, len(y), bs):
-            b = perm[lo:lo + bs]
+            b = perm[lo : lo + bs]
             opt.zero_grad()
             F.cross_entropy(model(x[b]), y[b]).backward()
             opt.step()
@@ -246,8 +258,8 @@ def run_trainer(shards, spec: dict, args, threads: int) -> dict:
     b, n = args.trainer_clients, args.trainer_samples
     if b * n > len(pool_y):
         sys.exit(f"error: --trainer-clients x --trainer-samples = {b * n} exceeds the {len(pool_y)} samples")
-    xs = [pool_x[i * n:(i + 1) * n] for i in range(b)]
-    ys = [pool_y[i * n:(i + 1) * n] for i in range(b)]
+    xs = [pool_x[i * n : (i + 1) * n] for i in range(b)]
+    ys = [pool_y[i * n : (i + 1) * n] for i in range(b)]
     start = flatten(model).expand(b, -1).clone()
     base = TrainConfig(epochs=1, batch_size=10, lr=0.01)
     out = {"threads": threads, "clients": b, "samples": n, "reps": args.trainer_reps}
@@ -273,15 +285,21 @@ def main(argv=None) -> int:
     p.add_argument("--processes", type=int, default=2, help="emulator device processes (default 2)")
     p.add_argument("--eval-every", type=int, help="emulator train.eval_every (default: = rounds)")
     p.add_argument("--with-eval", action="store_true", help="also run the emulator evaluating every round")
-    p.add_argument("--with-loop", action="store_true",
-                   help="also run the emulator with train.vectorize=false (per-client loop on devices)")
+    p.add_argument(
+        "--with-loop",
+        action="store_true",
+        help="also run the emulator with train.vectorize=false (per-client loop on devices)",
+    )
     p.add_argument("--data-root", help="folder holding MNIST (default: ../shared/data from the repo root)")
     p.add_argument("--scenario", default=str(REPO / "scenarios" / "s1_mnist.yaml"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-threads", type=int, default=1, help="torch threads in the emulator's server process")
-    p.add_argument("--ref-threads", default=f"1,{TORCH_DEFAULT_THREADS}",
-                   help=f"comma-separated thread counts for (b) and (c) (default 1,{TORCH_DEFAULT_THREADS}: "
-                        "1 and torch's default)")
+    p.add_argument(
+        "--ref-threads",
+        default=f"1,{TORCH_DEFAULT_THREADS}",
+        help=f"comma-separated thread counts for (b) and (c) (default 1,{TORCH_DEFAULT_THREADS}: "
+        "1 and torch's default)",
+    )
     p.add_argument("--trainer-clients", type=int, default=20)
     p.add_argument("--trainer-samples", type=int, default=600)
     p.add_argument("--trainer-reps", type=int, default=5, help="timed calls per mode in (c), after one warm-up")
@@ -297,12 +315,18 @@ def main(argv=None) -> int:
 
     data_root = resolve_data_root(args.data_root)
     info = machine_info()
-    print(f"machine: {info['cpu_model'] or '?'}; os.cpu_count={info['os_cpu_count']}, "
-          f"affinity={info['sched_affinity']}, torch {info['torch']} (default threads "
-          f"{TORCH_DEFAULT_THREADS}), device={info['device']}, loadavg={info['loadavg_start']}")
+    print(
+        f"machine: {info['cpu_model'] or '?'}; os.cpu_count={info['os_cpu_count']}, "
+        f"affinity={info['sched_affinity']}, torch {info['torch']} (default threads "
+        f"{TORCH_DEFAULT_THREADS}), device={info['device']}, loadavg={info['loadavg_start']}"
+    )
     print(f"data: {data_root}; scenario: {args.scenario}; rounds={args.rounds}")
-    results: dict = {"benchmark": "fedavg_s1", "machine": info, "args": vars(args),
-                     "reference_s_per_round": REFERENCE_FIGURES}
+    results: dict = {
+        "benchmark": "fedavg_s1",
+        "machine": info,
+        "args": vars(args),
+        "reference_s_per_round": REFERENCE_FIGURES,
+    }
     work = Path(tempfile.mkdtemp(prefix="flt-bench-s1-"))
     emu: dict = {}
     try:
@@ -318,8 +342,10 @@ def main(argv=None) -> int:
                 emu[label] = run_emulator(args, data_root, work, label, every, extra)
                 e = emu[label]
                 med = e["median_round_with_eval_s"] if every == 1 else e["median_round_s"]
-                print(f"    start-up {e['startup_s']:.2f} s, round 1 {e['round1_s']:.2f} s, "
-                      f"median {fmt(med).strip()} s/round, final acc {e['final_acc_mean']:.2f}")
+                print(
+                    f"    start-up {e['startup_s']:.2f} s, round 1 {e['round1_s']:.2f} s, "
+                    f"median {fmt(med).strip()} s/round, final acc {e['final_acc_mean']:.2f}"
+                )
             results["emulator"] = emu
             children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
             results["emulator_largest_child_rss_mb"] = children
@@ -343,8 +369,9 @@ def main(argv=None) -> int:
         tr: dict = {}
         if "c" in args.parts:
             for th in thread_list:
-                print(f"(c) CohortTrainer {args.trainer_clients} x {args.trainer_samples}, {th} thread(s) ...",
-                      flush=True)
+                print(
+                    f"(c) CohortTrainer {args.trainer_clients} x {args.trainer_samples}, {th} thread(s) ...", flush=True
+                )
                 tr[f"threads_{th}"] = run_trainer(shards, spec, args, th)
             results["trainer"] = tr
     finally:
@@ -378,8 +405,10 @@ def main(argv=None) -> int:
         print(f"  {what:58s} {fmt(s)} {'':9s}{extra}")
     for r in ref.values():
         what = f"(b) one-process per-client loop, {r['threads']} thread(s)"
-        print(f"  {what:58s} {fmt(r['median_round_s'])} {fmt(ratio(r['median_round_s'], emu_s), 'x')}x"
-              "  (reference / emulator)")
+        print(
+            f"  {what:58s} {fmt(r['median_round_s'])} {fmt(ratio(r['median_round_s'], emu_s), 'x')}x"
+            "  (reference / emulator)"
+        )
     for t in tr.values():
         for mode in ("vmap", "loop"):
             what = f"(c) CohortTrainer {t['clients']}x{t['samples']} {mode}, {t['threads']} thread(s)"

@@ -28,6 +28,7 @@ The table gives each figure's ratio to the emulator's.
 
 Writes benchmarks/results/flower_s1.json (change it with --out).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -92,8 +93,11 @@ def part_flower(args, data_root: Path, work: Path) -> dict:
     run_dir = work / "emulator"
     if not (run_dir / "partition.npz").is_file():
         sys.exit(f"error: {run_dir / 'partition.npz'} is missing: the emulator part writes it, run it first")
-    cfg = config.load(args.scenario, [f"data.root={data_root}", f"seed={args.seed}",
-                                      f"train.rounds={args.rounds}"], methods=["fedavg"])
+    cfg = config.load(
+        args.scenario,
+        [f"data.root={data_root}", f"seed={args.seed}", f"train.rounds={args.rounds}"],
+        methods=["fedavg"],
+    )
     # the test split has the train split's shape and classes: enough for the seeded initial model
     init, spec = initial_weights(cfg, load_dataset("mnist", data_root, train=False))
     out = run_flower(cfg, init, spec, run_dir, data_root, args.scenario, args.seed, args.actors)
@@ -130,9 +134,26 @@ def run_part(args, data_root: Path, work: Path) -> int:
 # ----------------------------------------------------------------------------- parent
 def spawn_part(args, part: str, data_root: Path, work: Path) -> dict:
     """Run one part in a fresh child process, sampling its process tree's PSS."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--part", part, "--work", str(work),
-           "--rounds", str(args.rounds), "--processes", str(args.processes), "--actors", str(args.actors),
-           "--data-root", str(data_root), "--scenario", args.scenario, "--seed", str(args.seed)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--part",
+        part,
+        "--work",
+        str(work),
+        "--rounds",
+        str(args.rounds),
+        "--processes",
+        str(args.processes),
+        "--actors",
+        str(args.actors),
+        "--data-root",
+        str(data_root),
+        "--scenario",
+        args.scenario,
+        "--seed",
+        str(args.seed),
+    ]
     log = work / f"{part}.log"
     print(f"{part} ...", flush=True)
     tic = time.perf_counter()
@@ -149,25 +170,36 @@ def spawn_part(args, part: str, data_root: Path, work: Path) -> dict:
     result = json.loads((work / f"{part}.json").read_text())
     result["peak_pss_mb"] = sampler.peak
     result["process_wall_s"] = time.perf_counter() - tic
-    print(f"    median {fmt(result['median_round_s']).strip()} s/round, start-up {result['startup_s']:.2f} s, "
-          f"peak PSS {sampler.peak:.0f} MB", flush=True)
+    print(
+        f"    median {fmt(result['median_round_s']).strip()} s/round, start-up {result['startup_s']:.2f} s, "
+        f"peak PSS {sampler.peak:.0f} MB",
+        flush=True,
+    )
     return result
 
 
 def print_table(args, runs: dict, flower_note: str | None) -> dict:
     """One row per part, each figure with its ratio to the emulator's; returns the ratios."""
     emu = runs["emulator"]
-    columns = [("median_round_s", "s/round", 3), ("startup_s", "start-up s", 2),
-               ("round1_end_s", "start to end of r1", 2), ("peak_pss_mb", "peak PSS MB", 0)]
-    labels = {"emulator": f"emulator, {args.processes} device processes",
-              "loop": "one-process per-client loop, 1 thread",
-              "flower": f"Flower simulation, {args.actors} actors x 1 thread"}
+    columns = [
+        ("median_round_s", "s/round", 3),
+        ("startup_s", "start-up s", 2),
+        ("round1_end_s", "start to end of r1", 2),
+        ("peak_pss_mb", "peak PSS MB", 0),
+    ]
+    labels = {
+        "emulator": f"emulator, {args.processes} device processes",
+        "loop": "one-process per-client loop, 1 thread",
+        "flower": f"Flower simulation, {args.actors} actors x 1 thread",
+    }
     for run in runs.values():
         run["round1_end_s"] = run["startup_s"] + run["round1_s"]
     ratios: dict = {}
     print()
-    print(f"S1-MNIST FedAvg, 100 clients, rho 0.2, E 1, batch 10, MLP, T = {args.rounds}; s/round: median "
-          "over rounds 2..T; (x): the figure / the emulator's, measured in this run")
+    print(
+        f"S1-MNIST FedAvg, 100 clients, rho 0.2, E 1, batch 10, MLP, T = {args.rounds}; s/round: median "
+        "over rounds 2..T; (x): the figure / the emulator's, measured in this run"
+    )
     print(f"  {'':40s}" + "".join(f"{h:>22s}" for _, h, _ in columns) + f"{'final acc':>11s}")
     for part, run in runs.items():
         cells = ""
@@ -207,8 +239,10 @@ def main(argv=None) -> int:
         return run_part(args, data_root, Path(args.work))
 
     info = machine_info()
-    print(f"machine: {info['cpu_model'] or '?'}; os.cpu_count={info['os_cpu_count']}, "
-          f"affinity={info['sched_affinity']}, torch {info['torch']}, loadavg={info['loadavg_start']}")
+    print(
+        f"machine: {info['cpu_model'] or '?'}; os.cpu_count={info['os_cpu_count']}, "
+        f"affinity={info['sched_affinity']}, torch {info['torch']}, loadavg={info['loadavg_start']}"
+    )
     flower_note = None
     parts = ["emulator", "loop", "flower"]
     if args.skip_flower:
@@ -216,9 +250,11 @@ def main(argv=None) -> int:
         flower_note = "Flower skipped (--skip-flower)"
     elif not flower_available():
         parts.remove("flower")
-        flower_note = ("Flower skipped: flwr (with ray) is not importable here; install the bench extra "
-                       "in a separate venv: python3 -m venv /tmp/flwr-venv && "
-                       "/tmp/flwr-venv/bin/pip install -e '.[bench]'")
+        flower_note = (
+            "Flower skipped: flwr (with ray) is not importable here; install the bench extra "
+            "in a separate venv: python3 -m venv /tmp/flwr-venv && "
+            "/tmp/flwr-venv/bin/pip install -e '.[bench]'"
+        )
     work = Path(tempfile.mkdtemp(prefix="flt-bench-flower-"))
     runs: dict = {}
     try:
@@ -234,8 +270,15 @@ def main(argv=None) -> int:
     info["loadavg_end"] = list(os.getloadavg())
     ratios = print_table(args, runs, flower_note)
     versions = {"flwr": _version("flwr"), "ray": _version("ray"), "repository": _git_revision()}
-    results = {"benchmark": "flower_s1", "machine": info, "versions": versions, "args": vars(args),
-               "runs": runs, "ratios": ratios, "note": flower_note}
+    results = {
+        "benchmark": "flower_s1",
+        "machine": info,
+        "versions": versions,
+        "args": vars(args),
+        "runs": runs,
+        "ratios": ratios,
+        "note": flower_note,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2, default=str) + "\n")
@@ -246,8 +289,9 @@ def main(argv=None) -> int:
 def _git_revision() -> str | None:
     """The commit measured, with -dirty when the working tree had uncommitted changes (shared tree)."""
     try:
-        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 

@@ -15,6 +15,7 @@ Reports frames sent against frames the server counted (by reason), each run's pe
 server memory, and whether accuracy and bytes equal the clean run's. Writes
 benchmarks/results/fuzz.json (change it with --out).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,23 +41,36 @@ def one_run(mode: str, out: Path, rounds: int) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = config.load(str(REPO / "scenarios" / "quickstart.yaml"),
-                      [f"train.rounds={rounds}", f"devices.bind=tcp://127.0.0.1:{port}"], ["fedavg"])
+    cfg = config.load(
+        str(REPO / "scenarios" / "quickstart.yaml"),
+        [f"train.rounds={rounds}", f"devices.bind=tcp://127.0.0.1:{port}"],
+        ["fedavg"],
+    )
     peer = None
     if mode == "fuzz":
-        peer = subprocess.Popen([sys.executable, str(REPO / "tests" / "fuzz_peer.py"), f"tcp://127.0.0.1:{port}",
-                                 str(out / "fuzz_report.json"),
-                                 "--after", str(out / "run" / "fedavg" / "metrics.jsonl")])
+        peer = subprocess.Popen(
+            [
+                sys.executable,
+                str(REPO / "tests" / "fuzz_peer.py"),
+                f"tcp://127.0.0.1:{port}",
+                str(out / "fuzz_report.json"),
+                "--after",
+                str(out / "run" / "fedavg" / "metrics.jsonl"),
+            ]
+        )
     run_scenario(cfg, str(out / "run"), progress=lambda line: None)
     if peer is not None and peer.wait(timeout=120) != 0:
         raise SystemExit("fuzz peer failed")
     summary = json.loads((out / "run" / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "run" / "fedavg" / "metrics.jsonl").read_text().splitlines()]
-    return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "rejected": summary["rejected"], "final_accuracy": summary["methods"]["fedavg"]["final_accuracy"],
-            "bytes_up": summary["methods"]["fedavg"]["bytes_up"],
-            "bytes_down": summary["methods"]["fedavg"]["bytes_down"],
-            "rounds": [{k: r[k] for k in ("acc_mean", "bytes")} for r in rows]}
+    return {
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rejected": summary["rejected"],
+        "final_accuracy": summary["methods"]["fedavg"]["final_accuracy"],
+        "bytes_up": summary["methods"]["fedavg"]["bytes_up"],
+        "bytes_down": summary["methods"]["fedavg"]["bytes_down"],
+        "rounds": [{k: r[k] for k in ("acc_mean", "bytes")} for r in rows],
+    }
 
 
 def main(argv=None) -> int:
@@ -75,32 +89,43 @@ def main(argv=None) -> int:
         for mode in ("clean", "fuzz"):
             folder = Path(tmp) / mode
             folder.mkdir()
-            res = subprocess.run([sys.executable, __file__, "--rounds", str(a.rounds), "--one", mode, str(folder)],
-                                 capture_output=True, text=True, check=True)
+            res = subprocess.run(
+                [sys.executable, __file__, "--rounds", str(a.rounds), "--one", mode, str(folder)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             runs[mode] = json.loads(res.stdout.strip().splitlines()[-1])
         sent = json.loads((Path(tmp) / "fuzz" / "fuzz_report.json").read_text())
     counted = runs["fuzz"]["rejected"]
     result = {
-        "machine": machine_info(), "rounds": a.rounds,
-        "messages_sent": sent["sent"], "frames_sent": sent["frames"],
+        "machine": machine_info(),
+        "rounds": a.rounds,
+        "messages_sent": sent["sent"],
+        "frames_sent": sent["frames"],
         "messages_expected_counted": sum(sent["expected"].values()) + sent["collision"],
         "messages_over_inbound_limit": sent["not_counted"],
-        "messages_counted": counted["rejected_messages"], "counted_by_reason": counted["rejected_reasons"],
+        "messages_counted": counted["rejected_messages"],
+        "counted_by_reason": counted["rejected_reasons"],
         "rejected_bytes": counted["rejected_bytes"],
         "peak_server_rss_mb": {m: runs[m]["peak_rss_mb"] for m in runs},
-        "results_equal_clean_run": all(runs["fuzz"][k] == runs["clean"][k]
-                                       for k in ("final_accuracy", "bytes_up", "bytes_down", "rounds")),
+        "results_equal_clean_run": all(
+            runs["fuzz"][k] == runs["clean"][k] for k in ("final_accuracy", "bytes_up", "bytes_down", "rounds")
+        ),
         "final_accuracy": runs["clean"]["final_accuracy"],
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2))
-    print(f"messages sent {result['messages_sent']} ({result['frames_sent']} frames): "
-          f"{result['messages_expected_counted']} must be counted, {result['messages_over_inbound_limit']} "
-          f"are over the inbound limit; counted {result['messages_counted']}")
+    print(
+        f"messages sent {result['messages_sent']} ({result['frames_sent']} frames): "
+        f"{result['messages_expected_counted']} must be counted, {result['messages_over_inbound_limit']} "
+        f"are over the inbound limit; counted {result['messages_counted']}"
+    )
     for reason, v in counted["rejected_reasons"].items():
         print(f"  {reason:<20} {v['messages']:>6} messages {v['bytes'] / 1e6:>9.2f} MB")
-    print(f"peak server memory: clean {runs['clean']['peak_rss_mb']:.0f} MB, "
-          f"fuzzed {runs['fuzz']['peak_rss_mb']:.0f} MB")
+    print(
+        f"peak server memory: clean {runs['clean']['peak_rss_mb']:.0f} MB, fuzzed {runs['fuzz']['peak_rss_mb']:.0f} MB"
+    )
     print(f"accuracy and bytes equal the clean run's: {result['results_equal_clean_run']}")
     return 0
 

@@ -14,6 +14,7 @@ client embedding, server clustering), wall seconds, final accuracy and the tree'
 PSS, with each figure's ratio to the smallest M measured in the same run. Writes
 benchmarks/results/scale_<accelerator>.json and scale_<accelerator>.png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,10 +66,24 @@ class PeakPss(threading.Thread):
 
 
 def run_one(args, m: int, out: Path) -> dict:
-    sets = [f"partition.clients={m}", f"train.rounds={args.rounds}", f"train.eval_every={args.rounds}",
-            f"devices.processes={args.processes}", f"devices.accelerator={args.accelerator}"]
-    cmd = [sys.executable, "-m", "emulator.cli", "compare", args.scenario, "--out", str(out),
-           "--methods", ",".join(args.methods)]
+    sets = [
+        f"partition.clients={m}",
+        f"train.rounds={args.rounds}",
+        f"train.eval_every={args.rounds}",
+        f"devices.processes={args.processes}",
+        f"devices.accelerator={args.accelerator}",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "emulator.cli",
+        "compare",
+        args.scenario,
+        "--out",
+        str(out),
+        "--methods",
+        ",".join(args.methods),
+    ]
     for s in sets + args.set:
         cmd += ["--set", s]
     t0 = time.perf_counter()
@@ -85,14 +100,20 @@ def run_one(args, m: int, out: Path) -> dict:
     methods = {}
     for label, s in summary["methods"].items():
         t = s["timing"]
-        methods[label] = {"s_per_round": t["s_per_round"], "setup_s": t["setup_s"], "wall_s": t["wall_s"],
-                          "fcr_server_s": (t.get("fcr") or {}).get("server_seconds"),
-                          "final_accuracy": s["final_accuracy"], "clusters": s.get("found_clusters")}
+        methods[label] = {
+            "s_per_round": t["s_per_round"],
+            "setup_s": t["setup_s"],
+            "wall_s": t["wall_s"],
+            "fcr_server_s": (t.get("fcr") or {}).get("server_seconds"),
+            "final_accuracy": s["final_accuracy"],
+            "clusters": s.get("found_clusters"),
+        }
     return {"clients": m, "peak_pss_mb": watch.peak, "total_wall_s": wall, "methods": methods}
 
 
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -102,8 +123,9 @@ def plot(rows: list[dict], path: Path) -> None:
         ax[0].plot(ms, [r["methods"][label]["s_per_round"] for r in rows], "o-", label=label)
         ax[1].plot(ms, [r["methods"][label]["setup_s"] for r in rows], "o-", label=label)
     ax[2].plot(ms, [r["peak_pss_mb"] / 1024 for r in rows], "o-", color="k")
-    for a, title in zip(ax, ("seconds per round", "set-up seconds (FCR for FLT)", "peak PSS of the tree (GB)"),
-                        strict=True):
+    for a, title in zip(
+        ax, ("seconds per round", "set-up seconds (FCR for FLT)", "peak PSS of the tree (GB)"), strict=True
+    ):
         a.set_xscale("log")
         a.set_xlabel("clients M")
         a.set_title(title)
@@ -128,8 +150,10 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     rows = []
-    print(f"{'M':>5} {'method':<10} {'s/round':>8} {'x M0':>6} {'set-up s':>9} {'x M0':>6} {'wall s':>8} "
-          f"{'acc':>6} {'peak PSS MB':>11} {'x M0':>6}")
+    print(
+        f"{'M':>5} {'method':<10} {'s/round':>8} {'x M0':>6} {'set-up s':>9} {'x M0':>6} {'wall s':>8} "
+        f"{'acc':>6} {'peak PSS MB':>11} {'x M0':>6}"
+    )
     for m in args.clients:
         out = work / f"{Path(args.scenario).stem}_{args.accelerator}_m{m}"
         row = run_one(args, m, out)
@@ -137,15 +161,18 @@ def main() -> None:
         base = rows[0]
         for label, r in row["methods"].items():
             b = base["methods"][label]
-            print(f"{m:>5} {label:<10} {r['s_per_round']:>8.3f} {r['s_per_round'] / b['s_per_round']:>6.1f} "
-                  f"{r['setup_s']:>9.2f} {r['setup_s'] / max(b['setup_s'], 1e-9):>6.1f} {r['wall_s']:>8.1f} "
-                  f"{r['final_accuracy']:>6.2f} {row['peak_pss_mb']:>11.0f} "
-                  f"{row['peak_pss_mb'] / base['peak_pss_mb']:>6.2f}")
+            print(
+                f"{m:>5} {label:<10} {r['s_per_round']:>8.3f} {r['s_per_round'] / b['s_per_round']:>6.1f} "
+                f"{r['setup_s']:>9.2f} {r['setup_s'] / max(b['setup_s'], 1e-9):>6.1f} {r['wall_s']:>8.1f} "
+                f"{r['final_accuracy']:>6.2f} {row['peak_pss_mb']:>11.0f} "
+                f"{row['peak_pss_mb'] / base['peak_pss_mb']:>6.2f}"
+            )
     res = Path(args.out)
     res.mkdir(parents=True, exist_ok=True)
     stem = f"scale_{args.accelerator}"
-    (res / f"{stem}.json").write_text(json.dumps({"machine": machine_info(), "args": vars(args), "results": rows},
-                                                 indent=1))
+    (res / f"{stem}.json").write_text(
+        json.dumps({"machine": machine_info(), "args": vars(args), "results": rows}, indent=1)
+    )
     plot(rows, res / f"{stem}.png")
     print(f"wrote {res / stem}.json and .png")
 

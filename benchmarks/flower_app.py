@@ -9,6 +9,7 @@ The workload is bench_fedavg_s1's reference loop: the run's partition.npz, the s
 initial weights, the MLP from models/nets.py, and each selected client trained one after
 another by an actor with bench_fedavg_s1.train_client (plain torch SGD, batch 10, E = 1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,12 @@ def train(msg: Message, context: Context) -> Message:
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     started = time.time()  # wall clock: comparable with the driver's across processes
     train_client(model, x, y, float(config["lr"]), int(config["batch_size"]), int(config["epochs"]))
-    content = RecordDict({"arrays": ArrayRecord.from_torch_state_dict(model.state_dict()),
-                          "metrics": MetricRecord({"num-examples": len(y), "train-start": started})})
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord.from_torch_state_dict(model.state_dict()),
+            "metrics": MetricRecord({"num-examples": len(y), "train-start": started}),
+        }
+    )
     return Message(content=content, reply_to=msg)
 
 
@@ -86,31 +91,44 @@ class TimedFedAvg(FedAvg):
         return out
 
 
-def run_flower(cfg: dict, init: torch.Tensor, spec: dict, run_dir: Path, data_root: Path, scenario: str,
-               seed: int, actors: int) -> dict:
+def run_flower(
+    cfg: dict, init: torch.Tensor, spec: dict, run_dir: Path, data_root: Path, scenario: str, seed: int, actors: int
+) -> dict:
     """One Flower simulation of FedAvg; returns its timings and the final weights."""
     t = cfg["train"]
     n_clients = cfg["partition"]["clients"]
     model = build_model(spec["name"], tuple(spec["in_shape"]), spec["num_classes"])
     vector_to_parameters(init, model.parameters())
-    strategy = TimedFedAvg(fraction_train=t["participation"], fraction_evaluate=0.0,
-                           min_available_nodes=n_clients, min_train_nodes=1)
-    train_config = ConfigRecord({"lr": float(t["lr"]), "batch_size": int(t["batch_size"]),
-                                 "epochs": int(t["local_epochs"]), "scenario": scenario, "seed": seed,
-                                 "data_root": str(data_root), "run_dir": str(run_dir)})
+    strategy = TimedFedAvg(
+        fraction_train=t["participation"], fraction_evaluate=0.0, min_available_nodes=n_clients, min_train_nodes=1
+    )
+    train_config = ConfigRecord(
+        {
+            "lr": float(t["lr"]),
+            "batch_size": int(t["batch_size"]),
+            "epochs": int(t["local_epochs"]),
+            "scenario": scenario,
+            "seed": seed,
+            "data_root": str(data_root),
+            "run_dir": str(run_dir),
+        }
+    )
     final: dict = {}
     server_app = ServerApp()
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        result = strategy.start(grid=grid, initial_arrays=ArrayRecord.from_torch_state_dict(model.state_dict()),
-                                num_rounds=t["rounds"], train_config=train_config)
+        result = strategy.start(
+            grid=grid,
+            initial_arrays=ArrayRecord.from_torch_state_dict(model.state_dict()),
+            num_rounds=t["rounds"],
+            train_config=train_config,
+        )
         final["state"] = result.arrays.to_torch_state_dict()
 
     backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": actors}}
     t0, t0_wall = time.perf_counter(), time.time()
-    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=n_clients,
-                   backend_config=backend)
+    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=n_clients, backend_config=backend)
     total = time.perf_counter() - t0
     rounds = sorted(strategy.round_end)
     per_round = [strategy.round_end[r] - strategy.round_start[r] for r in rounds]
@@ -120,7 +138,13 @@ def run_flower(cfg: dict, init: torch.Tensor, spec: dict, run_dir: Path, data_ro
     # Ray and the actors. Start-up is therefore taken as the call to the moment the first client
     # of round 1 begins training (after its actor is up and has loaded its shards).
     startup = strategy.first_train_start[1] - t0_wall
-    return {"rounds": len(rounds), "per_round_s": per_round,
-            "round1_s": strategy.round_end[1] - t0 - startup, "startup_s": startup,
-            "round1_configured_s": strategy.round_start[1] - t0, "total_s": total,
-            "actors": actors, "final_state": final.get("state")}
+    return {
+        "rounds": len(rounds),
+        "per_round_s": per_round,
+        "round1_s": strategy.round_end[1] - t0 - startup,
+        "startup_s": startup,
+        "round1_configured_s": strategy.round_start[1] - t0,
+        "total_s": total,
+        "actors": actors,
+        "final_state": final.get("state"),
+    }

@@ -1,4 +1,5 @@
 """What a benchmark ran on: recorded next to every figure it writes."""
+
 from __future__ import annotations
 
 import os
@@ -21,10 +22,15 @@ def machine_info() -> dict:
     except OSError:
         pass
     return {
-        "hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-        "cpu_model": cpu, "os_cpu_count": os.cpu_count(),
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_model": cpu,
+        "os_cpu_count": os.cpu_count(),
         "sched_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "torch": torch.__version__, "torch_default_threads": TORCH_DEFAULT_THREADS, "numpy": numpy.__version__,
+        "torch": torch.__version__,
+        "torch_default_threads": TORCH_DEFAULT_THREADS,
+        "numpy": numpy.__version__,
         "cuda_available": torch.cuda.is_available(),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,

@@ -10,6 +10,7 @@ cohort in one vectorized call once it is in.
 
 Run by hand on another host:  flt device --connect tcp://SERVER:5555 --data-root DIR
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,9 +42,10 @@ class Shard:
     """One client's data: indices into the device's shared uint8 splits, and its own
     labels (drift may swap them). ``x`` and ``x_test`` are float32 [n, C, H, W] in [0, 1],
     made on each access for the task at hand: no float copy outlives its cohort."""
+
     images: Images
-    idx: torch.Tensor      # int64 [n] into images
-    y: torch.Tensor        # int64 [n]
+    idx: torch.Tensor  # int64 [n] into images
+    y: torch.Tensor  # int64 [n]
     test_images: Images
     idx_test: torch.Tensor
     y_test: torch.Tensor
@@ -77,9 +79,16 @@ class Images:
 
 
 class Device:
-    def __init__(self, endpoint: str, name: str | None = None, data_root: str | None = None,
-                 threads: int = 1, parent_pid: int | None = None, crash_at_round: int | None = None,
-                 credentials: Credentials | None = None):
+    def __init__(
+        self,
+        endpoint: str,
+        name: str | None = None,
+        data_root: str | None = None,
+        threads: int = 1,
+        parent_pid: int | None = None,
+        crash_at_round: int | None = None,
+        credentials: Credentials | None = None,
+    ):
         self.credentials = credentials or Credentials()
         self.name = self.credentials.name or name or f"{socket.gethostname()}-{os.getpid()}"
         if name and self.credentials.name and name != self.credentials.name:
@@ -95,8 +104,8 @@ class Device:
         self.sock.connect(endpoint)
         self.shards: dict[int, Shard] = {}
         self.resident: dict[int, torch.Tensor] = {}  # per-client models kept on the device (Local)
-        self.init: torch.Tensor | None = None        # the run's initial weights (sent with reset)
-        self.flags: set[int] = set()                  # clients whose data changed since they last embedded
+        self.init: torch.Tensor | None = None  # the run's initial weights (sent with reset)
+        self.flags: set[int] = set()  # clients whose data changed since they last embedded
         self.pending: dict[int, list[Message]] = {}  # batch id -> messages of an incomplete cohort
         self.datasets: dict[tuple, tuple] = {}
         self.trainer: CohortTrainer | None = None
@@ -111,8 +120,7 @@ class Device:
         if self.credentials.token:  # loopback without CURVE: only we can claim our name
             hello["token"] = self.credentials.token
         self.send(Message("hello", meta=hello))
-        handlers = {"assign": self.on_assign, "reset": self.on_reset, "drift": self.on_drift,
-                    "state": self.on_state}
+        handlers = {"assign": self.on_assign, "reset": self.on_reset, "drift": self.on_drift, "state": self.on_state}
         while True:
             if not self.sock.poll(1000):
                 if self.parent_pid and os.getppid() != self.parent_pid:  # orphaned
@@ -148,9 +156,18 @@ class Device:
             fn(msg)
         except Exception as exc:  # report, never die: the server decides what to do
             log.error("%s: %s failed:\n%s", self.name, msg.kind, traceback.format_exc())
-            self.send(Message("error", msg.round, msg.client,
-                              meta={"reason": f"{type(exc).__name__}: {exc}", "for": msg.kind,
-                                    "batch": msg.meta.get("batch", -1)}))
+            self.send(
+                Message(
+                    "error",
+                    msg.round,
+                    msg.client,
+                    meta={
+                        "reason": f"{type(exc).__name__}: {exc}",
+                        "for": msg.kind,
+                        "batch": msg.meta.get("batch", -1),
+                    },
+                )
+            )
 
     # -- set-up ---------------------------------------------------------------------
     def on_assign(self, msg: Message) -> None:
@@ -221,9 +238,18 @@ class Device:
         if msg.client not in self.shards:
             self.rejected += 1
             log.error("%s: task for unknown client %d rejected", self.name, msg.client)
-            self.send(Message("error", msg.round, msg.client,
-                              meta={"reason": f"client {msg.client} is not hosted on {self.name}",
-                                    "for": msg.kind, "batch": msg.meta.get("batch", -1)}))
+            self.send(
+                Message(
+                    "error",
+                    msg.round,
+                    msg.client,
+                    meta={
+                        "reason": f"client {msg.client} is not hosted on {self.name}",
+                        "for": msg.kind,
+                        "batch": msg.meta.get("batch", -1),
+                    },
+                )
+            )
             return
         if msg.kind == "train" and msg.round == self.crash_at_round:
             log.error("%s: injected crash in round %d (tasks received, no reply)", self.name, msg.round)
@@ -250,9 +276,14 @@ class Device:
         except Exception as exc:
             log.error("%s: %s cohort failed:\n%s", self.name, kind, traceback.format_exc())
             for m in batch:
-                self.send(Message("error", m.round, m.client,
-                                  meta={"reason": f"{type(exc).__name__}: {exc}", "for": kind,
-                                        "batch": m.meta["batch"]}))
+                self.send(
+                    Message(
+                        "error",
+                        m.round,
+                        m.client,
+                        meta={"reason": f"{type(exc).__name__}: {exc}", "for": kind, "batch": m.meta["batch"]},
+                    )
+                )
 
 
 def accelerator(choice: str, name: str) -> torch.device:
@@ -262,8 +293,10 @@ def accelerator(choice: str, name: str) -> torch.device:
     if choice not in ("cuda", "auto"):
         raise ValueError(f"devices.accelerator must be cpu, cuda or auto, not {choice!r}")
     if not torch.cuda.is_available():
-        raise RuntimeError(f"devices.accelerator is cuda, but device {name} has no CUDA GPU "
-                           f"(torch {torch.__version__}, CUDA build: {torch.version.cuda})")
+        raise RuntimeError(
+            f"devices.accelerator is cuda, but device {name} has no CUDA GPU "
+            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda})"
+        )
     return torch.device("cuda")
 
 
@@ -292,8 +325,9 @@ def _shard(train, test, tr_idx, te_idx) -> Shard:
 def main(argv=None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="flt device", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="flt device", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--connect", required=True, help="server address, e.g. tcp://127.0.0.1:5555")
     p.add_argument("--name", help="device id (default host-pid); must be unique per server")
     p.add_argument("--data-root", help="where this host keeps the dataset (overrides the scenario's)")
@@ -303,10 +337,10 @@ def main(argv=None) -> int:
     p.add_argument("--key", help="this device's NAME.key_secret (from `flt keys`): CURVE")
     p.add_argument("--server-key", help="the server's server.key (from `flt keys`)")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(message)s")
-    return Device(a.connect, a.name, a.data_root, a.threads, a.parent_pid, a.crash_at_round,
-                  Credentials.load(a.key, a.server_key)).run()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
+    return Device(
+        a.connect, a.name, a.data_root, a.threads, a.parent_pid, a.crash_at_round, Credentials.load(a.key, a.server_key)
+    ).run()
 
 
 if __name__ == "__main__":

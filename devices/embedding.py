@@ -7,6 +7,7 @@ Three encoders can arrive over the wire (message kind "encoder"):
 - "linear": a shared PCA basis (components, mean) for the PCA+kM+HC baseline.
 Only the k x e centroids leave the device.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -37,27 +38,30 @@ def embed_linear(components: np.ndarray, mean: np.ndarray, xs: list[torch.Tensor
     return np.split(flat.astype(np.float32), np.cumsum([len(x) for x in xs])[:-1])
 
 
-def embed_finetuned(weights: np.ndarray, meta: dict, xs: list[torch.Tensor],
-                    gens: list[torch.Generator], chunk: int = 64) -> list[np.ndarray]:
+def embed_finetuned(
+    weights: np.ndarray, meta: dict, xs: list[torch.Tensor], gens: list[torch.Generator], chunk: int = 64
+) -> list[np.ndarray]:
     """Each client fine-tunes its own copy of the autoencoder (vectorized), then embeds;
     gens[i] is client i's own generator (its batch order)."""
     dev = xs[0].device  # the device's accelerator: its shards live there
     ae = ConvAE(tuple(meta["in_shape"]), meta["latent"]).to(dev)
     spec = param_spec(ae)
     ft = meta["finetune"]
-    cfg = TrainConfig(epochs=ft["epochs"], batch_size=ft["batch_size"], lr=ft["lr"],
-                      loss="mse", optimizer="adam")
+    cfg = TrainConfig(epochs=ft["epochs"], batch_size=ft["batch_size"], lr=ft["lr"], loss="mse", optimizer="adam")
     start = torch.from_numpy(np.array(weights, dtype=np.float32)).to(dev).expand(len(xs), -1)
     tuned, _ = CohortTrainer(ae, spec).train(start, xs, [torch.zeros(len(x), device=dev) for x in xs], cfg, gens)
     ae.eval()  # no dropout/BN in the ConvAE, but embed in eval mode regardless
     offsets = np.cumsum((0, *spec.numel))
-    enc = {n[len("encoder."):]: tuned[:, offsets[i]:offsets[i + 1]].view(len(xs), *spec.shapes[i])
-           for i, n in enumerate(spec.names) if n.startswith("encoder.")}
+    enc = {
+        n[len("encoder.") :]: tuned[:, offsets[i] : offsets[i + 1]].view(len(xs), *spec.shapes[i])
+        for i, n in enumerate(spec.names)
+        if n.startswith("encoder.")
+    }
     xpad, lengths = _pad(xs)
     fwd = vmap(lambda p, x: functional_call(ae.encoder, p, (x,)))
     with torch.no_grad():  # in slices of samples: the conv activations of a whole cohort's
         # data at once took 14 GB for 50 clients of 1,500 images
-        z = torch.cat([fwd(enc, xpad[:, lo:lo + chunk]).cpu() for lo in range(0, xpad.shape[1], chunk)], 1)
+        z = torch.cat([fwd(enc, xpad[:, lo : lo + chunk]).cpu() for lo in range(0, xpad.shape[1], chunk)], 1)
     return [z[i, : int(n)].numpy() for i, n in enumerate(lengths)]
 
 

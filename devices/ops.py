@@ -12,6 +12,7 @@ with "result". An operation that is not registered here is looked up as the modu
 `devices.methods.<op>`, which registers it when imported, so a method with a new client
 step adds one module there and never touches this file or device.py.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -53,6 +54,7 @@ def register(name: str) -> Callable[[Op], Op]:
             raise ValueError(f"device op {name!r} is registered twice ({OPS[name].__module__}, {fn.__module__})")
         OPS[name] = fn
         return fn
+
     return add
 
 
@@ -87,6 +89,7 @@ def trainer(device: Device) -> CohortTrainer:
 
 def generators(batch: list[Message]) -> list[torch.Generator]:
     from devices.device import client_generator  # device.py imports this module
+
     return [client_generator(m.meta.get("seed", 0), m.client) for m in batch]
 
 
@@ -115,8 +118,10 @@ def candidate_losses(device: Device, candidates: list[torch.Tensor], xs, ys) -> 
     first = candidates[0]
     if all(c.shape == first.shape and torch.equal(c, first) for c in candidates[1:]):
         return list(trainer(device).losses_of(first.to(device.accel), xs, ys).cpu())
-    return [trainer(device).losses_of(c.to(device.accel), [x], [y])[0].cpu()
-            for c, x, y in zip(candidates, xs, ys, strict=True)]
+    return [
+        trainer(device).losses_of(c.to(device.accel), [x], [y])[0].cpu()
+        for c, x, y in zip(candidates, xs, ys, strict=True)
+    ]
 
 
 # -- the built-in operations -----------------------------------------------------------
@@ -133,22 +138,31 @@ def train(device: Device, batch: list[Message]) -> list[Message]:
         choice = [int(loss.argmin()) for loss in candidate_losses(device, candidates, xs, ys)]
     start = torch.stack([c[k] for c, k in zip(candidates, choice, strict=True)]).to(device.accel)
     m0 = batch[0].meta
-    cfg = TrainConfig(epochs=m0["epochs"], batch_size=m0["batch_size"], lr=m0["lr"],
-                      prox_mu=m0.get("prox_mu", 0.0), vectorize=m0.get("vectorize", True))
+    cfg = TrainConfig(
+        epochs=m0["epochs"],
+        batch_size=m0["batch_size"],
+        lr=m0["lr"],
+        prox_mu=m0.get("prox_mu", 0.0),
+        vectorize=m0.get("vectorize", True),
+    )
     trained, losses = (t.cpu() for t in trainer(device).train(start, xs, ys, cfg, gens))
     replies = []
     for i, m in enumerate(batch):
-        meta = {"batch": m.meta["batch"], "n": len(xs[i]), "loss": float(losses[i]),
-                "choice": choice[i], "flag": int(m.client in device.flags),
-                "steps": -(-len(xs[i]) // cfg.batch_size) * cfg.epochs}
+        meta = {
+            "batch": m.meta["batch"],
+            "n": len(xs[i]),
+            "loss": float(losses[i]),
+            "choice": choice[i],
+            "flag": int(m.client in device.flags),
+            "steps": -(-len(xs[i]) // cfg.batch_size) * cfg.epochs,
+        }
         # the flag stays up until the client re-embeds: an update the server drops
         # (a straggler) must not lose it
         if m.meta.get("resident"):
             device.resident[m.client] = trained[i].clone()
             replies.append(Message("update", m.round, m.client, meta=meta))
         else:
-            replies.append(Message("update", m.round, m.client,
-                                   tensors={"model": trained[i].numpy()}, meta=meta))
+            replies.append(Message("update", m.round, m.client, tensors={"model": trained[i].numpy()}, meta=meta))
     return replies
 
 
@@ -167,15 +181,24 @@ def evaluate(device: Device, batch: list[Message], slice_size: int = 256) -> lis
     on the clients it is evaluated with)."""
     out = []
     for lo in range(0, len(batch), slice_size):
-        part = batch[lo:lo + slice_size]
+        part = batch[lo : lo + slice_size]
         models = eval_models(device, part).to(device.accel)
         shards = [device.shards[m.client] for m in part]
-        correct, total, loss = trainer(device).evaluate(models, [s.x_test for s in shards],
-                                                       [s.y_test for s in shards])
-        out += [Message("metrics", m.round, m.client,
-                        meta={"batch": m.meta["batch"], "correct": float(correct[i]),
-                              "total": float(total[i]), "loss": float(loss[i])})
-                for i, m in enumerate(part)]
+        correct, total, loss = trainer(device).evaluate(models, [s.x_test for s in shards], [s.y_test for s in shards])
+        out += [
+            Message(
+                "metrics",
+                m.round,
+                m.client,
+                meta={
+                    "batch": m.meta["batch"],
+                    "correct": float(correct[i]),
+                    "total": float(total[i]),
+                    "loss": float(loss[i]),
+                },
+            )
+            for i, m in enumerate(part)
+        ]
     return out
 
 
@@ -184,6 +207,7 @@ def embed(device: Device, batch: list[Message]) -> list[Message]:
     """FCR: embed the client's data with the encoder sent (ONNX, a PCA basis, or an
     autoencoder to fine-tune first), then send k seeded k-means centroids."""
     from devices.device import client_seed
+
     meta, t = batch[0].meta, batch[0].tensors
     xs = [device.shards[m.client].x for m in batch]
     if meta["format"] != "autoencoder":  # onnxruntime and numpy read host memory
@@ -198,8 +222,11 @@ def embed(device: Device, batch: list[Message]) -> list[Message]:
     for m, e in zip(batch, embs, strict=True):
         c = embedding.centroids(e, meta["k"], seed=client_seed(meta["seed"], m.client))
         device.flags.discard(m.client)
-        out.append(Message("centroids", m.round, m.client, tensors={"centroids": c},
-                           meta={"batch": m.meta["batch"], "n": len(e)}))
+        out.append(
+            Message(
+                "centroids", m.round, m.client, tensors={"centroids": c}, meta={"batch": m.meta["batch"], "n": len(e)}
+            )
+        )
     return out
 
 
@@ -207,7 +234,13 @@ def embed(device: Device, batch: list[Message]) -> list[Message]:
 def snapshot(device: Device, batch: list[Message]) -> list[Message]:
     """What this device keeps for each client (Local's model, the change flag), for the
     server's checkpoint: a resumed run gets it back with Device.on_state."""
-    return [Message("state", m.round, m.client,
-                    tensors={"model": device.resident[m.client].numpy()} if m.client in device.resident else {},
-                    meta={"batch": m.meta["batch"], "flag": int(m.client in device.flags)})
-            for m in batch]
+    return [
+        Message(
+            "state",
+            m.round,
+            m.client,
+            tensors={"model": device.resident[m.client].numpy()} if m.client in device.resident else {},
+            meta={"batch": m.meta["batch"], "flag": int(m.client in device.flags)},
+        )
+        for m in batch
+    ]

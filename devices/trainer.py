@@ -11,6 +11,7 @@ Every random draw (batch order, dropout masks) comes from the client's own gener
 and padding changes nothing, so a client's result does not depend on which device or
 cohort it shares: reruns with another number of device processes give the same bytes.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,9 +29,9 @@ class TrainConfig:
     epochs: int = 1
     batch_size: int = 10
     lr: float = 0.01
-    prox_mu: float = 0.0        # FedProx proximal coefficient (0 = plain SGD)
-    loss: str = "ce"            # "ce" for classifiers, "mse" for autoencoder reconstruction
-    optimizer: str = "sgd"      # "sgd" or "adam" (autoencoder fine-tuning)
+    prox_mu: float = 0.0  # FedProx proximal coefficient (0 = plain SGD)
+    loss: str = "ce"  # "ce" for classifiers, "mse" for autoencoder reconstruction
+    optimizer: str = "sgd"  # "sgd" or "adam" (autoencoder fine-tuning)
     vectorize: bool | str = True  # or "auto": see use_vmap
 
 
@@ -119,8 +120,9 @@ class CohortTrainer:
         self.dropouts = _seed_dropouts(model)
         self._noise_shapes: dict[str, tuple] | None = None
 
-    def _epoch_noise(self, lengths: torch.Tensor, steps: int, batch_size: int, gens,
-                     sample: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _epoch_noise(
+        self, lengths: torch.Tensor, steps: int, batch_size: int, gens, sample: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """Uniform noise [B, S, batch, *features] for every dropout layer, client i's
         drawn from gens[i] (its padding steps get zeros and never train)."""
         out = {}
@@ -135,9 +137,12 @@ class CohortTrainer:
         """Feature shape at each dropout layer, from one dry forward of one sample."""
         if self._noise_shapes is None:
             shapes: dict[str, tuple] = {}
-            hooks = [self.model.get_submodule(n).register_forward_pre_hook(
-                lambda mod, args, n=n: shapes.__setitem__(n, tuple(args[0].shape[1:])))
-                for n in self.dropouts]
+            hooks = [
+                self.model.get_submodule(n).register_forward_pre_hook(
+                    lambda mod, args, n=n: shapes.__setitem__(n, tuple(args[0].shape[1:]))
+                )
+                for n in self.dropouts
+            ]
             try:
                 with torch.no_grad():
                     self.model.eval()(sample[:1])
@@ -148,8 +153,9 @@ class CohortTrainer:
         return self._noise_shapes
 
     # -- training -------------------------------------------------------------------
-    def train(self, start: torch.Tensor, xs: list[torch.Tensor], ys: list[torch.Tensor],
-              cfg: TrainConfig, gens) -> tuple[torch.Tensor, torch.Tensor]:
+    def train(
+        self, start: torch.Tensor, xs: list[torch.Tensor], ys: list[torch.Tensor], cfg: TrainConfig, gens
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Train B clients from start [B, P]; return (trained [B, P], mean loss [B]).
         `gens`: one torch.Generator per client (its batch order and dropout)."""
         gens = _generators(gens, len(xs))
@@ -186,13 +192,15 @@ class CohortTrainer:
         for _ in range(cfg.epochs):
             # drawn on the CPU from each client's generator, so a GPU run draws the same
             order, weight = (t.to(dev) for t in epoch_batches(lengths, cfg.batch_size, gens))
-            noise = {k: v.to(dev) for k, v in
-                     self._epoch_noise(lengths, order.shape[1], cfg.batch_size, gens, xs[0]).items()}
+            noise = {
+                k: v.to(dev) for k, v in self._epoch_noise(lengths, order.shape[1], cfg.batch_size, gens, xs[0]).items()
+            }
             self.model.train()
             for s in range(order.shape[1]):
                 idx, w = order[:, s], weight[:, s]
-                grads, loss = step(params, anchor, xpad[rows, idx], ypad[rows, idx], w,
-                                   {k: v[:, s] for k, v in noise.items()})
+                grads, loss = step(
+                    params, anchor, xpad[rows, idx], ypad[rows, idx], w, {k: v[:, s] for k, v in noise.items()}
+                )
                 active = w.sum(1) > 0
                 opt.step(grads, params, active)
                 total += loss * active
@@ -207,16 +215,13 @@ class CohortTrainer:
         orders = []
         for _ in range(cfg.epochs):  # the same draws, in the same order, as _train_vmap
             order, weight = epoch_batches(lengths, cfg.batch_size, gens)
-            orders.append((order, weight, self._epoch_noise(lengths, order.shape[1], cfg.batch_size,
-                                                            gens, xs[0])))
+            orders.append((order, weight, self._epoch_noise(lengths, order.shape[1], cfg.batch_size, gens, xs[0])))
         self.model.train()
         loss_fn = self._loss_fn(cfg)
         for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
-            params = {k: v.clone().requires_grad_(True)
-                      for k, v in unflatten(start[i].float(), self.spec).items()}
+            params = {k: v.clone().requires_grad_(True) for k, v in unflatten(start[i].float(), self.spec).items()}
             anchor = {k: v.detach().clone() for k, v in params.items()}
-            opt = (torch.optim.SGD if cfg.optimizer == "sgd" else torch.optim.Adam)(
-                params.values(), lr=cfg.lr)
+            opt = (torch.optim.SGD if cfg.optimizer == "sgd" else torch.optim.Adam)(params.values(), lr=cfg.lr)
             seen, acc = 0, 0.0
             for order, weight, noise in orders:
                 for s in range(order.shape[1]):
@@ -225,8 +230,14 @@ class CohortTrainer:
                         continue
                     idx = order[i, s, :n].to(dev)
                     opt.zero_grad()
-                    value, _ = loss_fn(params, anchor, x[idx], y[idx], torch.ones(n, device=dev),
-                                       {k: v[i, s, :n].to(dev) for k, v in noise.items()})
+                    value, _ = loss_fn(
+                        params,
+                        anchor,
+                        x[idx],
+                        y[idx],
+                        torch.ones(n, device=dev),
+                        {k: v[i, s, :n].to(dev) for k, v in noise.items()},
+                    )
                     value.backward()
                     opt.step()
                     seen, acc = seen + 1, acc + value.detach()  # no GPU sync per step
@@ -246,7 +257,7 @@ class CohortTrainer:
         correct = torch.zeros(len(xs), device=xpad.device)
         loss = torch.zeros(len(xs), device=xpad.device)
         for lo in range(0, xpad.shape[1], chunk):  # chunks bound memory on big test shards
-            x, y = xpad[:, lo:lo + chunk], ypad[:, lo:lo + chunk]
+            x, y = xpad[:, lo : lo + chunk], ypad[:, lo : lo + chunk]
             logits = fwd(params, x)
             hit = (logits.argmax(-1) == y).float()
             ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(hit)
@@ -291,5 +302,5 @@ class _StackedOptimizer:
             v = self.v.setdefault(k, torch.zeros_like(g))
             m.copy_(torch.where(on, b1 * m + (1 - b1) * g, m))
             v.copy_(torch.where(on, b2 * v + (1 - b2) * g * g, v))
-            mhat, vhat = m / (1 - b1 ** t).float(), v / (1 - b2 ** t).float()
+            mhat, vhat = m / (1 - b1**t).float(), v / (1 - b2**t).float()
             params[k].sub_(torch.where(on, lr * mhat / (vhat.sqrt() + eps), 0.0))

@@ -1,4 +1,5 @@
 """The `flt` command line."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,44 +12,68 @@ from scenarios.errors import FltError
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="flt", description="Federated-learning edge emulator for non-IID data (FLT and baselines).")
+        prog="flt", description="Federated-learning edge emulator for non-IID data (FLT and baselines)."
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     run = sub.add_parser("run", help="run a scenario file")
     _scenario_args(run, optional=True)
-    run.add_argument("--resume", metavar="RUN_DIR",
-                     help="continue a killed run from its last completed round (its config.yaml and "
-                          "partition.npz; finished methods are kept)")
+    run.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a killed run from its last completed round (its config.yaml and "
+        "partition.npz; finished methods are kept)",
+    )
 
     cmp_ = sub.add_parser("compare", help="run several methods on the same partition, weights and draws")
     _scenario_args(cmp_)
-    cmp_.add_argument("--methods", required=True,
-                      help="comma-separated method names or entry labels, e.g. fedavg,flt_enc1,ifca "
-                           "(a name picks every entry of that method)")
+    cmp_.add_argument(
+        "--methods",
+        required=True,
+        help="comma-separated method names or entry labels, e.g. fedavg,flt_enc1,ifca "
+        "(a name picks every entry of that method)",
+    )
 
-    rel = sub.add_parser("relate", help="FCR alone: embed every client over ZeroMQ and cluster them, "
-                         "no training rounds")
+    rel = sub.add_parser(
+        "relate", help="FCR alone: embed every client over ZeroMQ and cluster them, no training rounds"
+    )
     _scenario_args(rel)
-    rel.add_argument("--method", help="the scenario's FCR entry to use, by label (default: its first "
-                     "FLT or PCA+kM+HC entry, else FLT's defaults)")
-    rel.add_argument("--no-umap", action="store_true", help="skip the UMAP figure (numba compiles "
-                     "UMAP the first time: seconds to minutes)")
+    rel.add_argument(
+        "--method",
+        help="the scenario's FCR entry to use, by label (default: its first "
+        "FLT or PCA+kM+HC entry, else FLT's defaults)",
+    )
+    rel.add_argument(
+        "--no-umap",
+        action="store_true",
+        help="skip the UMAP figure (numba compiles UMAP the first time: seconds to minutes)",
+    )
 
-    suite = sub.add_parser("suite", help="run many scenarios one after another, one folder each; "
-                           "run it again to skip the finished ones and resume an interrupted one")
-    suite.add_argument("scenarios", nargs="+", metavar="FILE_OR_DIR",
-                       help="scenario files, or folders of them (*.yaml, in name order)")
-    suite.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a field in every scenario, e.g. --set train.rounds=5 (repeatable)")
-    suite.add_argument("--out", default="runs/suite", help="where the scenario folders go, "
-                       "OUT/<scenario name> (default runs/suite)")
+    suite = sub.add_parser(
+        "suite",
+        help="run many scenarios one after another, one folder each; "
+        "run it again to skip the finished ones and resume an interrupted one",
+    )
+    suite.add_argument(
+        "scenarios", nargs="+", metavar="FILE_OR_DIR", help="scenario files, or folders of them (*.yaml, in name order)"
+    )
+    suite.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field in every scenario, e.g. --set train.rounds=5 (repeatable)",
+    )
+    suite.add_argument(
+        "--out", default="runs/suite", help="where the scenario folders go, OUT/<scenario name> (default runs/suite)"
+    )
 
-    rep = sub.add_parser("report", help="one self-contained HTML page (and Markdown and CSV tables) "
-                         "from run folders")
-    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                     help="run folders, or folders of them (a suite's --out)")
-    rep.add_argument("--out", help="folder for report.html, report.md and *.csv "
-                     "(default RUN_DIR/report for one run folder, else ./report)")
+    rep = sub.add_parser("report", help="one self-contained HTML page (and Markdown and CSV tables) from run folders")
+    rep.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders, or folders of them (a suite's --out)")
+    rep.add_argument(
+        "--out",
+        help="folder for report.html, report.md and *.csv (default RUN_DIR/report for one run folder, else ./report)",
+    )
 
     dev = sub.add_parser("device", help="run a device process by hand against a server address")
     dev.add_argument("--connect", required=True, help="server address, e.g. tcp://HOST:5555")
@@ -65,8 +90,9 @@ def main(argv=None) -> int:
 
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)  # recorded in each run folder
-    logging.basicConfig(level=logging.WARNING if args.cmd != "device" else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING if args.cmd != "device" else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
     if args.cmd == "device":
         return _device(args)
     if args.cmd == "keys":
@@ -97,8 +123,10 @@ def _keys(args) -> None:
     names = make_keys(folder, args.devices, args.prefix)
     print(f"{folder}: server.key_secret stays on the server (devices.keys: {folder})")
     for name in names:
-        print(f"  {name}: give {folder / (name + '.key_secret')} and {folder / 'server.key'} to that host, "
-              f"then: flt device --connect tcp://SERVER:PORT --key {name}.key_secret --server-key server.key")
+        print(
+            f"  {name}: give {folder / (name + '.key_secret')} and {folder / 'server.key'} to that host, "
+            f"then: flt device --connect tcp://SERVER:PORT --key {name}.key_secret --server-key server.key"
+        )
     print("to revoke a device, delete its NAME.key from the folder (the server reads it at start)")
 
 
@@ -122,8 +150,9 @@ def _suite(args) -> int:
     report.COMMAND = args.argv
     codes: list[int] = []
     try:
-        code = guarded(lambda: codes.append(suite.run_suite([Path(p) for p in args.scenarios], args.set,
-                                                            Path(args.out))))
+        code = guarded(
+            lambda: codes.append(suite.run_suite([Path(p) for p in args.scenarios], args.set, Path(args.out)))
+        )
     except KeyboardInterrupt:
         print(f"\ninterrupted: run the same command again to resume ({args.out})", file=sys.stderr)
         return 130
@@ -132,8 +161,13 @@ def _suite(args) -> int:
 
 def _scenario_args(p, optional: bool = False):
     p.add_argument("scenario", nargs="?" if optional else None, help="scenario YAML file")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. --set train.rounds=5 (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field, e.g. --set train.rounds=5 (repeatable)",
+    )
     p.add_argument("--out", help="run folder (default: <output>/<name>-<time>)")
 
 
@@ -147,8 +181,9 @@ def _run(args) -> int:
     if args.cmd == "relate":
         from emulator.relate import relate_scenario
 
-        return guarded(lambda: relate_scenario(config.load(args.scenario, args.set), args.out, args.method,
-                                                       umap=not args.no_umap))
+        return guarded(
+            lambda: relate_scenario(config.load(args.scenario, args.set), args.out, args.method, umap=not args.no_umap)
+        )
     methods = None
     if args.cmd == "compare":
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -159,8 +194,11 @@ def _run(args) -> int:
         print("error: a scenario file, or --resume RUN_DIR, is needed", file=sys.stderr)
         return 2
     else:
-        action = lambda: run_scenario(config.load(args.scenario, args.set, methods), args.out,  # noqa: E731
-                                      progress=terminal)
+        action = lambda: run_scenario(  # noqa: E731
+            config.load(args.scenario, args.set, methods),
+            args.out,
+            progress=terminal,
+        )
     try:
         return guarded(action)
     except KeyboardInterrupt:

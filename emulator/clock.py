@@ -44,8 +44,9 @@ def compute_seconds(ms_per_sample, batch_size, steps, *, factor: float = AUGMENT
     All arguments broadcast (per-client ``steps`` for clients with different data sizes).
     """
     ms = np.asarray(ms_per_sample, dtype=np.float64)
-    return np.asarray(factor * np.asarray(batch_size, dtype=np.float64)
-                      * np.asarray(steps, dtype=np.float64) * ms / 1000.0)
+    return np.asarray(
+        factor * np.asarray(batch_size, dtype=np.float64) * np.asarray(steps, dtype=np.float64) * ms / 1000.0
+    )
 
 
 def transfer_seconds(n_bytes, bps, latency_s=0.0) -> np.ndarray:
@@ -98,10 +99,12 @@ def task_times(
     c = np.asarray(clients, dtype=np.int64).reshape(-1)
     n = c.size
     ms = profiles.ms_per_sample[c]
-    down = transfer_seconds(np.broadcast_to(np.asarray(bytes_down, np.float64), (n,)),
-                            profiles.down_bps[c], profiles.latency_s[c])
-    up = transfer_seconds(np.broadcast_to(np.asarray(bytes_up, np.float64), (n,)),
-                          profiles.up_bps[c], profiles.latency_s[c])
+    down = transfer_seconds(
+        np.broadcast_to(np.asarray(bytes_down, np.float64), (n,)), profiles.down_bps[c], profiles.latency_s[c]
+    )
+    up = transfer_seconds(
+        np.broadcast_to(np.asarray(bytes_up, np.float64), (n,)), profiles.up_bps[c], profiles.latency_s[c]
+    )
     if measured_compute_s is None:
         comp = compute_seconds(ms, batch_size, np.broadcast_to(np.asarray(steps, np.float64), (n,)))
     else:
@@ -196,7 +199,7 @@ def close_round(clients, durations, *, start_s, deadline_s=None, keep=None, onli
     order = np.argsort(finish, kind="stable")
     in_time = order[(done & ~late)[order]]
     kept = in_time if keep is None else in_time[:keep]
-    extra = in_time[kept.size:]
+    extra = in_time[kept.size :]
     straggler_mask = late.copy()
     straggler_mask[extra] = True
     stragglers = order[straggler_mask[order]]

@@ -3,6 +3,7 @@
 A scenario is validated in full before anything starts; the first problem stops the
 run with a message naming the file and the field (e.g. `train.lr`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -21,27 +22,36 @@ from server.auth import SECURITY, security_problem
 from server.strategies import STRATEGIES
 
 DATA = {
-    "dataset": Field(str, "digits", "dataset name", rule=lambda v: None if dataset_key(v) else
-                     f"one of {', '.join(DATASETS)} (emnist:<split> for an EMNIST split)"),
+    "dataset": Field(
+        str,
+        "digits",
+        "dataset name",
+        rule=lambda v: None if dataset_key(v) else f"one of {', '.join(DATASETS)} (emnist:<split> for an EMNIST split)",
+    ),
     "root": Field(str, None, "data root holding the dataset's files (not needed for digits)", nullable=True),
     "download": Field(bool, False, "let torchvision download missing files (needs internet)"),
 }
 
 PARTITION = {
-    "kind": Field(str, "clusters", "how clients get data",
-                  choices=("clusters", "dirichlet", "structured", "writers")),
+    "kind": Field(str, "clusters", "how clients get data", choices=("clusters", "dirichlet", "structured", "writers")),
     "clients": Field(int, 20, "number of clients M", min=1),
     "clusters": Field(int, 5, "number of planted clusters C", min=1),
     "classes_per_cluster": Field(int, 2, "classes held by each cluster", min=1),
     "shared_classes": Field(int, 0, "classes a cluster shares with its neighbour (S2: 1)", min=0),
     "samples_per_client": Field(int, 600, "training samples per client", min=1),
     "test_per_client": Field(int, 100, "test samples per client, from its own classes", min=1),
-    "on_short": Field(str, "take", "when a class has too few images: take what exists, or fail",
-                      choices=("take", "fail")),
+    "on_short": Field(
+        str, "take", "when a class has too few images: take what exists, or fail", choices=("take", "fail")
+    ),
     "alpha": Field(float, 0.5, "Dirichlet concentration / structured size offset", min=0, open_min=True),
     "delta": Field(float, 0.5, "structured quantity-skew exponent", min=0),
-    "public_fraction": Field(float, 0.0, "fraction of the train split held out from clients as a "
-                             "public set (encoder / PCA pretraining)", min=0.0, max=0.9),
+    "public_fraction": Field(
+        float,
+        0.0,
+        "fraction of the train split held out from clients as a public set (encoder / PCA pretraining)",
+        min=0.0,
+        max=0.9,
+    ),
 }
 
 TRAIN = {
@@ -52,58 +62,102 @@ TRAIN = {
     "lr": Field(float, 0.01, "local SGD learning rate", min=0, open_min=True),
     "eval_every": Field(int, 1, "evaluate every n rounds (and at the last)", min=1),
     "target_accuracy": Field(float, None, "accuracy (%) for rounds/bytes-to-target", nullable=True, min=0, max=100),
-    "vectorize": Field((bool, str), "auto", "train a device's cohort in one vmapped call (true), one client "
-                       "at a time (false), or auto: vmap on a GPU and for the MLP, the loop for CNNs on a CPU",
-                       choices=("auto",)),
+    "vectorize": Field(
+        (bool, str),
+        "auto",
+        "train a device's cohort in one vmapped call (true), one client "
+        "at a time (false), or auto: vmap on a GPU and for the MLP, the loop for CNNs on a CPU",
+        choices=("auto",),
+    ),
 }
 
 DEVICES = {
     "processes": Field(int, None, "device processes started here (default: CPU cores)", nullable=True, min=0),
-    "external": Field(int, 0, "devices started by hand with `flt device --connect` (other hosts) "
-                      "that the run waits for", min=0),
+    "external": Field(
+        int, 0, "devices started by hand with `flt device --connect` (other hosts) that the run waits for", min=0
+    ),
     "bind": Field(str, "tcp://127.0.0.1:*", "server address; tcp://0.0.0.0:5555 accepts other hosts"),
     "threads": Field(int, 1, "torch threads per device process", min=1),
-    "accelerator": Field(str, "auto", "where device processes train and evaluate their cohorts: cpu, "
-                         "cuda (fail where a device host has no GPU), or auto (its GPU when it has one)",
-                         choices=("cpu", "cuda", "auto")),
+    "accelerator": Field(
+        str,
+        "auto",
+        "where device processes train and evaluate their cohorts: cpu, "
+        "cuda (fail where a device host has no GPU), or auto (its GPU when it has one)",
+        choices=("cpu", "cuda", "auto"),
+    ),
     "round_timeout_s": Field(float, 120.0, "a round's replies are awaited this long", min=0, open_min=True),
     "start_timeout_s": Field(float, 120.0, "devices must connect within this", min=0, open_min=True),
-    "crash": Field(dict, {}, "fault injection: {device index: round} kills that device process "
-                   "when that round's training tasks arrive"),
-    "security": Field(str, "auto", "CURVE encryption and device keys; auto: on unless bind is loopback",
-                      choices=SECURITY),
-    "keys": Field(str, None, "folder made by `flt keys DIR`: the server's key pair and the public keys "
-                  "of the devices started by hand that may join", nullable=True),
-    "launcher": Field(str, "local", "who starts the device processes: local (processes on this machine) "
-                      "or ray (Ray actors on a cluster's nodes; pip install 'flt-emulator[ray]')",
-                      choices=("local", "ray")),
-    "ray_address": Field(str, None, "launcher ray: the cluster for ray.init (auto, HOST:6379); default: a "
-                         "running cluster if there is one, else a local Ray instance", nullable=True),
+    "crash": Field(
+        dict,
+        {},
+        "fault injection: {device index: round} kills that device process when that round's training tasks arrive",
+    ),
+    "security": Field(
+        str, "auto", "CURVE encryption and device keys; auto: on unless bind is loopback", choices=SECURITY
+    ),
+    "keys": Field(
+        str,
+        None,
+        "folder made by `flt keys DIR`: the server's key pair and the public keys "
+        "of the devices started by hand that may join",
+        nullable=True,
+    ),
+    "launcher": Field(
+        str,
+        "local",
+        "who starts the device processes: local (processes on this machine) "
+        "or ray (Ray actors on a cluster's nodes; pip install 'flt-emulator[ray]')",
+        choices=("local", "ray"),
+    ),
+    "ray_address": Field(
+        str,
+        None,
+        "launcher ray: the cluster for ray.init (auto, HOST:6379); default: a "
+        "running cluster if there is one, else a local Ray instance",
+        nullable=True,
+    ),
 }
 
 PROFILES = {
     "trace": Field(str, None, "device trace file (CSV/JSON, see emulator/profiles/trace.py)", nullable=True),
     "fedscale_capacity": Field(str, None, "FedScale client_device_capacity file", nullable=True),
     "fedscale_behave": Field(str, None, "FedScale client_behave_trace file (availability)", nullable=True),
-    "distribution": Field(dict, None, "seeded distributions: compute, network, latency_ms, availability",
-                          nullable=True),
+    "distribution": Field(
+        dict, None, "seeded distributions: compute, network, latency_ms, availability", nullable=True
+    ),
 }
 
 POPULATION = {
-    "sampling": Field(str, "uniform", "uniform over present clients, or only those online",
-                      choices=("uniform", "available")),
+    "sampling": Field(
+        str, "uniform", "uniform over present clients, or only those online", choices=("uniform", "available")
+    ),
     "profiles": section(PROFILES, "device runtimes; none = no emulated clock", optional=True),
-    "deadline_s": Field(float, None, "round deadline in emulated seconds (stragglers dropped)",
-                        nullable=True, min=0, open_min=True),
+    "deadline_s": Field(
+        float, None, "round deadline in emulated seconds (stragglers dropped)", nullable=True, min=0, open_min=True
+    ),
     "overcommit": Field(float, 1.0, "draw ceil(k * factor) clients, keep the k fastest", min=1.0),
-    "realtime": Field(float, None, "real-time mode: devices really wait their emulated task time x this "
-                      "factor before answering, and the server waits deadline_s x this factor",
-                      nullable=True, min=0, open_min=True),
-    "newcomers": Field(list, [], "[{round: r, cluster: c}] or [{round: r, clients: [ids]}]: "
-                       "clients withheld until round r, joining as a new device process"),
-    "drift": Field(list, [], "[{round: r, clients: [ids], to_cluster: c}]: each client swaps its data "
-                   "with a client of cluster c; or [{round: r, clients: [ids], kind: swap_labels, "
-                   "labels: [i, j]}]: their classes i and j trade labels; drifted clients raise their flag"),
+    "realtime": Field(
+        float,
+        None,
+        "real-time mode: devices really wait their emulated task time x this "
+        "factor before answering, and the server waits deadline_s x this factor",
+        nullable=True,
+        min=0,
+        open_min=True,
+    ),
+    "newcomers": Field(
+        list,
+        [],
+        "[{round: r, cluster: c}] or [{round: r, clients: [ids]}]: "
+        "clients withheld until round r, joining as a new device process",
+    ),
+    "drift": Field(
+        list,
+        [],
+        "[{round: r, clients: [ids], to_cluster: c}]: each client swaps its data "
+        "with a client of cluster c; or [{round: r, clients: [ids], kind: swap_labels, "
+        "labels: [i, j]}]: their classes i and j trade labels; drifted clients raise their flag",
+    ),
 }
 
 SCENARIO = {
@@ -170,9 +224,13 @@ def _one_line(exc: Exception) -> str:
 
 
 # Fields that name files or folders, as paths of keys from the top of the scenario.
-PATH_FIELDS = (("data", "root"), ("population", "profiles", "trace"),
-               ("population", "profiles", "fedscale_capacity"), ("population", "profiles", "fedscale_behave"),
-               ("devices", "keys"))
+PATH_FIELDS = (
+    ("data", "root"),
+    ("population", "profiles", "trace"),
+    ("population", "profiles", "fedscale_capacity"),
+    ("population", "profiles", "fedscale_behave"),
+    ("devices", "keys"),
+)
 
 
 def resolve_paths(raw: dict, base: Path) -> None:
@@ -215,8 +273,10 @@ def resolve(raw: dict) -> dict:
     if p["kind"] in ("clusters", "structured") and p["classes_per_cluster"] <= p["shared_classes"]:
         raise ConfigError("partition.shared_classes: must be smaller than partition.classes_per_cluster")
     if cfg["data"]["dataset"] != "digits" and not cfg["data"]["root"] and not cfg["data"]["download"]:
-        raise ConfigError(f"data.root: dataset {cfg['data']['dataset']!r} needs a data root "
-                          "(or data.download: true on a machine with internet)")
+        raise ConfigError(
+            f"data.root: dataset {cfg['data']['dataset']!r} needs a data root "
+            "(or data.download: true on a machine with internet)"
+        )
     _check_distribution(cfg["population"]["profiles"])
     for i, spec in enumerate(cfg["methods"]):
         if isinstance(spec["params"].get("encoder"), dict):
@@ -247,16 +307,19 @@ def _check_encoder(source: dict, cfg: dict, where: str) -> None:
     name, data = source["dataset"], cfg["data"]
     if name == "public":
         if cfg["partition"]["public_fraction"] <= 0:
-            raise ConfigError(f"{where}.dataset: 'public' needs partition.public_fraction > 0 "
-                              "(a held-out slice of the train split that no client receives)")
+            raise ConfigError(
+                f"{where}.dataset: 'public' needs partition.public_fraction > 0 "
+                "(a held-out slice of the train split that no client receives)"
+            )
         return
     key = dataset_key(name)
     if key is None:
-        raise ConfigError(f"{where}.dataset: {short(name)} is neither 'public' nor a dataset "
-                          f"({', '.join(DATASETS)})")
+        raise ConfigError(f"{where}.dataset: {short(name)} is neither 'public' nor a dataset ({', '.join(DATASETS)})")
     if key == dataset_key(data["dataset"]):
-        raise ConfigError(f"{where}.dataset: {short(name)} is the clients' own dataset; use 'public' "
-                          "(the held-out slice) so no client training image is seen")
+        raise ConfigError(
+            f"{where}.dataset: {short(name)} is the clients' own dataset; use 'public' "
+            "(the held-out slice) so no client training image is seen"
+        )
     if key[0] != "digits" and not (source.get("root") or data["root"]):
         raise ConfigError(f"{where}.root: dataset {short(name)} needs a data root (here or in data.root)")
 
@@ -308,16 +371,25 @@ def _check_event_values(ev: dict, where: str, partition: dict) -> None:
     m, c = partition["clients"], partition["clusters"]
     if "clients" in ev:
         ids = ev["clients"]
-        if (not isinstance(ids, list) or not ids or len(ids) > m
-                or not all(_is_int(i) and 0 <= i < m for i in ids) or len(set(ids)) != len(ids)):
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or len(ids) > m
+            or not all(_is_int(i) and 0 <= i < m for i in ids)
+            or len(set(ids)) != len(ids)
+        ):
             raise ConfigError(f"{where}.clients: expected distinct client ids in 0..{m - 1}, got {short(ids)}")
     for key in ("cluster", "to_cluster"):
         if key in ev and not (_is_int(ev[key]) and 0 <= ev[key] < c):
             raise ConfigError(f"{where}.{key}: expected a cluster in 0..{c - 1}, got {short(ev[key])}")
     if "labels" in ev:
         pair = ev["labels"]
-        if not (isinstance(pair, list) and len(pair) == 2 and all(_is_int(i) and i >= 0 for i in pair)
-                and pair[0] != pair[1]):
+        if not (
+            isinstance(pair, list)
+            and len(pair) == 2
+            and all(_is_int(i) and i >= 0 for i in pair)
+            and pair[0] != pair[1]
+        ):
             raise ConfigError(f"{where}.labels: expected two different class labels [i, j], got {short(pair)}")
 
 
@@ -336,8 +408,10 @@ def select_methods(entries: list, names: list[str]) -> list:
         picked = picked or [e for _, label, e in named if label == word]
         if not picked:
             labels = [label for _, label, _ in named if label]
-            raise ConfigError(f"--methods: unknown method or label {short(word)}; methods: "
-                              f"{', '.join(STRATEGIES)}; labels in this scenario: {', '.join(map(str, labels))}")
+            raise ConfigError(
+                f"--methods: unknown method or label {short(word)}; methods: "
+                f"{', '.join(STRATEGIES)}; labels in this scenario: {', '.join(map(str, labels))}"
+            )
         chosen += [e for e in picked if not any(e is c for c in chosen)]
     return chosen
 

@@ -6,6 +6,7 @@ stylesheet, script or font from anywhere else, so it opens offline and can be ma
 Everything comes from what a run folder already holds (summary.json, each method's
 metrics.jsonl, FCR's figures, config.yaml, command.txt); nothing is rerun.
 """
+
 from __future__ import annotations
 
 import base64
@@ -68,9 +69,13 @@ def load_run(path: Path) -> Run:
         raise ConfigError(f"{path / 'summary.json'}: no 'methods' mapping")
     config = path / "config.yaml"
     command = path / "command.txt"
-    return Run(path, summary, config.read_text() if config.exists() else "",
-               command.read_text().strip() if command.exists() else None,
-               {label: report.read_metrics(path, label) for label in summary["methods"]})
+    return Run(
+        path,
+        summary,
+        config.read_text() if config.exists() else "",
+        command.read_text().strip() if command.exists() else None,
+        {label: report.read_metrics(path, label) for label in summary["methods"]},
+    )
 
 
 # -- the tables: one row of raw values per (run, method) ----------------------------------
@@ -81,24 +86,39 @@ def method_row(run: Run, label: str) -> dict:
     clusters, ari = report.clustering(m)
     target = m.get("rounds_to_target") or {}
     timing = m.get("timing") or {}
-    row = {"scenario": run.name, "method": label, "rounds": m.get("rounds"),
-           "final_accuracy": m.get("final_accuracy"), "final_se": m.get("final_se"),
-           "best_accuracy": best.get("acc_mean", m.get("best_accuracy")), "best_se": best.get("acc_se"),
-           "best_round": best.get("round", m.get("best_round")), "variance": m.get("final_variance"),
-           "clusters": clusters, "ari": ari, "bytes_up": m.get("bytes_up"), "bytes_down": m.get("bytes_down")}
+    row = {
+        "scenario": run.name,
+        "method": label,
+        "rounds": m.get("rounds"),
+        "final_accuracy": m.get("final_accuracy"),
+        "final_se": m.get("final_se"),
+        "best_accuracy": best.get("acc_mean", m.get("best_accuracy")),
+        "best_se": best.get("acc_se"),
+        "best_round": best.get("round", m.get("best_round")),
+        "variance": m.get("final_variance"),
+        "clusters": clusters,
+        "ari": ari,
+        "bytes_up": m.get("bytes_up"),
+        "bytes_down": m.get("bytes_down"),
+    }
     for d in ("up", "down"):
         for kind, n in (m.get("bytes_payload") or {}).get(d, {}).items():
             row[f"{d}_{kind}"] = n
         row[f"{d}_overhead"] = (m.get("bytes_overhead") or {}).get(d)
     expected = m.get("expected") or {}
-    row |= {"formula": expected.get("formula"), "formula_bytes": expected.get("bytes"),
-            "measured_formula_bytes": m.get("formula_payload_bytes"),
-            "bytes_vs_formula": m.get("bytes_vs_formula"),
-            "target_accuracy": (run.cfg.get("train") or {}).get("target_accuracy"),
-            "target_round": target.get("round"), "target_bytes": target.get("bytes"),
-            "target_emulated_s": target.get("emulated_s"), "emulated_s": m.get("emulated_s"),
-            "wall_s": timing.get("wall_s", m.get("wall_s")),
-            "s_per_round": timing.get("s_per_round", m.get("s_per_round"))}
+    row |= {
+        "formula": expected.get("formula"),
+        "formula_bytes": expected.get("bytes"),
+        "measured_formula_bytes": m.get("formula_payload_bytes"),
+        "bytes_vs_formula": m.get("bytes_vs_formula"),
+        "target_accuracy": (run.cfg.get("train") or {}).get("target_accuracy"),
+        "target_round": target.get("round"),
+        "target_bytes": target.get("bytes"),
+        "target_emulated_s": target.get("emulated_s"),
+        "emulated_s": m.get("emulated_s"),
+        "wall_s": timing.get("wall_s", m.get("wall_s")),
+        "s_per_round": timing.get("s_per_round", m.get("s_per_round")),
+    }
     return row
 
 
@@ -107,19 +127,45 @@ def fcr_rows(run: Run) -> list[dict]:
     rows = []
     for label, m in run.summary["methods"].items():
         for r in m.get("fcr_reports") or []:
-            rows.append({"scenario": run.name, "method": label, "round": r.get("round", 0),
-                         "cause": r.get("cause", "initial"), "clients": r.get("n_clients"),
-                         "clusters": r.get("clusters"), "sizes": " ".join(map(str, r.get("cluster_sizes", []))),
-                         "silhouette": r.get("silhouette"), "ari": r.get("ari"), "nmi": r.get("nmi")})
+            rows.append(
+                {
+                    "scenario": run.name,
+                    "method": label,
+                    "round": r.get("round", 0),
+                    "cause": r.get("cause", "initial"),
+                    "clients": r.get("n_clients"),
+                    "clusters": r.get("clusters"),
+                    "sizes": " ".join(map(str, r.get("cluster_sizes", []))),
+                    "silhouette": r.get("silhouette"),
+                    "ari": r.get("ari"),
+                    "nmi": r.get("nmi"),
+                }
+            )
     return rows
 
 
 def change_rows(run: Run) -> list[dict]:
     """Arrivals and drift, and how each method recovered (summary.json's `changes`)."""
-    keys = ("round", "kind", "clients", "placement", "ari", "fcr_bytes", "measured_on", "before", "lowest",
-            "lowest_round", "rounds_to_recover", "bytes_to_recover", "emulated_s_to_recover")
-    return [{"scenario": run.name, "method": label, **{k: c.get(k) for k in keys}}
-            for label, m in run.summary["methods"].items() for c in m.get("changes") or []]
+    keys = (
+        "round",
+        "kind",
+        "clients",
+        "placement",
+        "ari",
+        "fcr_bytes",
+        "measured_on",
+        "before",
+        "lowest",
+        "lowest_round",
+        "rounds_to_recover",
+        "bytes_to_recover",
+        "emulated_s_to_recover",
+    )
+    return [
+        {"scenario": run.name, "method": label, **{k: c.get(k) for k in keys}}
+        for label, m in run.summary["methods"].items()
+        for c in m.get("changes") or []
+    ]
 
 
 def event_rows(run: Run) -> list[dict]:
@@ -129,9 +175,16 @@ def event_rows(run: Run) -> list[dict]:
         for r in records:
             for e in r.get("events", []):
                 detail = {k: e[k] for k in EVENT_DETAIL if k in e}
-                rows.append({"scenario": run.name, "method": label, "round": e.get("round", r["round"]),
-                             "event": e["kind"], "clients": len(e.get("clients", [])),
-                             "detail": ", ".join(f"{k} {_fmt(v)}" for k, v in detail.items())})
+                rows.append(
+                    {
+                        "scenario": run.name,
+                        "method": label,
+                        "round": e.get("round", r["round"]),
+                        "event": e["kind"],
+                        "clients": len(e.get("clients", [])),
+                        "detail": ", ".join(f"{k} {_fmt(v)}" for k, v in detail.items()),
+                    }
+                )
     return rows
 
 
@@ -159,29 +212,73 @@ def _secs(s) -> str:
 
 
 def results_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    head = ["scenario", "method", "rounds", "final acc ± s.e.", "best acc ± s.e. (round)", "variance",
-            "clusters", "ARI", "up MB", "down MB", "measured / formula", "to target: round, MB, emulated",
-            "emulated time", "wall time"]
+    head = [
+        "scenario",
+        "method",
+        "rounds",
+        "final acc ± s.e.",
+        "best acc ± s.e. (round)",
+        "variance",
+        "clusters",
+        "ARI",
+        "up MB",
+        "down MB",
+        "measured / formula",
+        "to target: round, MB, emulated",
+        "emulated time",
+        "wall time",
+    ]
     body = []
     for r in rows:
-        to_target = "no target" if r["target_accuracy"] is None else (
-            "not reached" if r["target_round"] is None else
-            f"{r['target_round']}, {_mb(r['target_bytes'])}, {_secs(r['target_emulated_s'])}")
-        body.append([r["scenario"], r["method"], _fmt(r["rounds"]), _pm(r["final_accuracy"], r["final_se"]),
-                     f"{_pm(r['best_accuracy'], r['best_se'])} ({_fmt(r['best_round'])})", _fmt(r["variance"]),
-                     _fmt(r["clusters"]), _fmt(r["ari"]), _mb(r["bytes_up"]), _mb(r["bytes_down"]),
-                     _fmt(r["bytes_vs_formula"], 4), to_target, _secs(r["emulated_s"]), _secs(r["wall_s"])])
+        to_target = (
+            "no target"
+            if r["target_accuracy"] is None
+            else (
+                "not reached"
+                if r["target_round"] is None
+                else f"{r['target_round']}, {_mb(r['target_bytes'])}, {_secs(r['target_emulated_s'])}"
+            )
+        )
+        body.append(
+            [
+                r["scenario"],
+                r["method"],
+                _fmt(r["rounds"]),
+                _pm(r["final_accuracy"], r["final_se"]),
+                f"{_pm(r['best_accuracy'], r['best_se'])} ({_fmt(r['best_round'])})",
+                _fmt(r["variance"]),
+                _fmt(r["clusters"]),
+                _fmt(r["ari"]),
+                _mb(r["bytes_up"]),
+                _mb(r["bytes_down"]),
+                _fmt(r["bytes_vs_formula"], 4),
+                to_target,
+                _secs(r["emulated_s"]),
+                _secs(r["wall_s"]),
+            ]
+        )
     return head, body
 
 
 def bytes_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """MB up and down by message kind, the protocol's overhead apart, and the formula."""
-    kinds = [k for k in dict.fromkeys(k for r in rows for k in r)
-             if re.fullmatch(r"(up|down)_\w+", k) and any(r.get(k) for r in rows)]
-    head = ["scenario", "method", *[k.replace("_", " ") + " MB" for k in kinds],
-            "formula", "formula MB", "measured MB"]
-    body = [[r["scenario"], r["method"], *[_mb(r.get(k)) for k in kinds], r["formula"] or "-",
-             _mb(r["formula_bytes"]), _mb(r["measured_formula_bytes"])] for r in rows]
+    kinds = [
+        k
+        for k in dict.fromkeys(k for r in rows for k in r)
+        if re.fullmatch(r"(up|down)_\w+", k) and any(r.get(k) for r in rows)
+    ]
+    head = ["scenario", "method", *[k.replace("_", " ") + " MB" for k in kinds], "formula", "formula MB", "measured MB"]
+    body = [
+        [
+            r["scenario"],
+            r["method"],
+            *[_mb(r.get(k)) for k in kinds],
+            r["formula"] or "-",
+            _mb(r["formula_bytes"]),
+            _mb(r["measured_formula_bytes"]),
+        ]
+        for r in rows
+    ]
     return head, body
 
 
@@ -193,13 +290,16 @@ def plain_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 def markdown(head: list[str], body: list[list[str]]) -> str:
     def line(cells):
         return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
     return "\n".join([line(head), line(["---"] * len(head)), *map(line, body)])
 
 
 def html_table(head: list[str], body: list[list[str]]) -> str:
     esc = html.escape
-    rows = "".join("<tr>" + "".join(f"<td{'' if NUMBER.match(str(c)) else ' class=t'}>{esc(str(c))}</td>"
-                                    for c in r) + "</tr>\n" for r in body)
+    rows = "".join(
+        "<tr>" + "".join(f"<td{'' if NUMBER.match(str(c)) else ' class=t'}>{esc(str(c))}</td>" for c in r) + "</tr>\n"
+        for r in body
+    )
     heads = "".join(f"<th>{esc(h)}</th>" for h in head)
     return f"<div class=scroll><table><thead><tr>{heads}</tr></thead>\n<tbody>{rows}</tbody></table></div>"
 
@@ -239,33 +339,46 @@ def fcr_figures(run: Run, label: str, report_: dict) -> list[tuple[str, Path]]:
     rnd = report_.get("round", 0)
     tag = "" if not rnd else f"-round{rnd}"
     folder = run.path / label
-    return [(f"{kind}{tag}", folder / f"{kind}{tag}.png") for kind in FCR_FIGURES
-            if (folder / f"{kind}{tag}.png").is_file()]
+    return [
+        (f"{kind}{tag}", folder / f"{kind}{tag}.png") for kind in FCR_FIGURES if (folder / f"{kind}{tag}.png").is_file()
+    ]
 
 
 def figure(png: Path, caption: str, wide: bool = False) -> str:
-    return (f'<figure{" class=wide" if wide else ""}><img src="{data_uri(png)}" alt="{html.escape(caption)}">'
-            f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    return (
+        f'<figure{" class=wide" if wide else ""}><img src="{data_uri(png)}" alt="{html.escape(caption)}">'
+        f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+    )
 
 
 def run_section(run: Run, plots: Path) -> str:
     rows = [method_row(run, label) for label in run.summary["methods"]]
     conv = report.plot_convergence(run.path, run.summary, plots / f"convergence-{_slug(run.name)}.png")
-    parts = [f"<h2>{html.escape(run.name)}</h2>",
-             f'<p class="note">run folder <code>{html.escape(str(run.path.resolve()))}</code></p>',
-             "<h3>Results</h3>", html_table(*results_table(rows)),
-             "<h3>Bytes by kind</h3>", html_table(*bytes_table(rows)),
-             "<h3>Convergence</h3>", figure(conv, "accuracy against rounds (± s.e.), bytes and emulated time")]
+    parts = [
+        f"<h2>{html.escape(run.name)}</h2>",
+        f'<p class="note">run folder <code>{html.escape(str(run.path.resolve()))}</code></p>',
+        "<h3>Results</h3>",
+        html_table(*results_table(rows)),
+        "<h3>Bytes by kind</h3>",
+        html_table(*bytes_table(rows)),
+        "<h3>Convergence</h3>",
+        figure(conv, "accuracy against rounds (± s.e.), bytes and emulated time"),
+    ]
     parts += fcr_section(run)
     changes, events = change_rows(run), event_rows(run)
     if changes or events:
         parts.append("<h3>Dynamic events and recovery</h3>")
-        parts += [html_table(*plain_table(events)) if events else "",
-                  html_table(*plain_table(changes)) if changes else ""]
+        parts += [
+            html_table(*plain_table(events)) if events else "",
+            html_table(*plain_table(changes)) if changes else "",
+        ]
     command = run.command or f"(not recorded) flt run {run.path / 'config.yaml'}"
-    parts += ["<h3>Command and resolved config</h3>", f"<pre>{html.escape(command)}</pre>",
-              f"<details><summary>config.yaml, every default filled in</summary>"
-              f"<pre>{html.escape(run.config or '(no config.yaml)')}</pre></details>"]
+    parts += [
+        "<h3>Command and resolved config</h3>",
+        f"<pre>{html.escape(command)}</pre>",
+        f"<details><summary>config.yaml, every default filled in</summary>"
+        f"<pre>{html.escape(run.config or '(no config.yaml)')}</pre></details>",
+    ]
     return "\n".join(parts)
 
 
@@ -275,17 +388,30 @@ def fcr_section(run: Run) -> list[str]:
         reports = m.get("fcr_reports") or []
         if not reports:
             continue
-        parts += [f"<h3>FCR: {html.escape(label)}</h3>",
-                  html_table(*plain_table([{k: v for k, v in r.items() if k not in ("scenario", "method")}
-                                           for r in fcr_rows(run) if r["method"] == label]))]
+        parts += [
+            f"<h3>FCR: {html.escape(label)}</h3>",
+            html_table(
+                *plain_table(
+                    [
+                        {k: v for k, v in r.items() if k not in ("scenario", "method")}
+                        for r in fcr_rows(run)
+                        if r["method"] == label
+                    ]
+                )
+            ),
+        ]
         for r in reports:
             figs = fcr_figures(run, label, r)
             if figs:
-                title = f"round {r.get('round', 0)} ({r.get('cause', 'initial')}): {r.get('clusters')} clusters, " \
-                        f"ARI {_fmt(r.get('ari'))}, NMI {_fmt(r.get('nmi'))}"
-                parts.append(f"<p><b>{html.escape(title)}</b></p><div class=figs>"
-                             + "".join(figure(p, f"{label}/{name}.png", name.startswith("adjacency"))
-                                     for name, p in figs) + "</div>")
+                title = (
+                    f"round {r.get('round', 0)} ({r.get('cause', 'initial')}): {r.get('clusters')} clusters, "
+                    f"ARI {_fmt(r.get('ari'))}, NMI {_fmt(r.get('nmi'))}"
+                )
+                parts.append(
+                    f"<p><b>{html.escape(title)}</b></p><div class=figs>"
+                    + "".join(figure(p, f"{label}/{name}.png", name.startswith("adjacency")) for name, p in figs)
+                    + "</div>"
+                )
     return parts
 
 
@@ -306,21 +432,36 @@ def build(paths: list[Path], out: Path) -> Path:
             write_csv(out / f"{name}.csv", table)
     (out / "report.md").write_text(markdown_page(runs, rows, fcr, changes, events))
     title = "flt report: " + ", ".join(run.name for run in runs)
-    body = [f"<h1>{html.escape(title)}</h1>",
-            f'<p class="note">{len(runs)} run(s); tables also in report.md and *.csv beside this page</p>',
-            *(["<h2>All methods</h2>", html_table(*results_table(rows))] if len(runs) > 1 else []),
-            *[run_section(run, out) for run in runs]]
+    body = [
+        f"<h1>{html.escape(title)}</h1>",
+        f'<p class="note">{len(runs)} run(s); tables also in report.md and *.csv beside this page</p>',
+        *(["<h2>All methods</h2>", html_table(*results_table(rows))] if len(runs) > 1 else []),
+        *[run_section(run, out) for run in runs],
+    ]
     page = out / "report.html"
-    page.write_text(f"<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
-                    f"<meta name=viewport content='width=device-width,initial-scale=1'>"
-                    f"<title>{html.escape(title)}</title><style>{CSS}</style></head>\n<body>\n"
-                    + "\n".join(body) + "\n</body></html>\n")
+    page.write_text(
+        f"<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
+        f"<meta name=viewport content='width=device-width,initial-scale=1'>"
+        f"<title>{html.escape(title)}</title><style>{CSS}</style></head>\n<body>\n"
+        + "\n".join(body)
+        + "\n</body></html>\n"
+    )
     return page
 
 
 def markdown_page(runs: list[Run], rows, fcr, changes, events) -> str:
-    parts = ["# flt report", "", "## Results", "", markdown(*results_table(rows)), "",
-             "## Bytes by kind", "", markdown(*bytes_table(rows)), ""]
+    parts = [
+        "# flt report",
+        "",
+        "## Results",
+        "",
+        markdown(*results_table(rows)),
+        "",
+        "## Bytes by kind",
+        "",
+        markdown(*bytes_table(rows)),
+        "",
+    ]
     for title, table in (("FCR (every clustering)", fcr), ("Events", events), ("Recovery", changes)):
         if table:
             parts += [f"## {title}", "", markdown(*plain_table(table)), ""]

@@ -15,6 +15,7 @@
   of another cluster, and they raise the flag delta). The emulator supplies the two
   callbacks that touch processes; this class only decides what happens when.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from models.schema import ConfigError
 
 @dataclass
 class Schedule:
-    arrivals: dict[int, np.ndarray] = field(default_factory=dict)      # round -> clients joining
+    arrivals: dict[int, np.ndarray] = field(default_factory=dict)  # round -> clients joining
     # round -> changes: {"kind": "move", "client": a, "partner": b} (a and b swap their data)
     # or {"kind": "swap_labels", "client": c, "labels": [i, j]} (c's classes i and j trade labels)
     drift: dict[int, list[dict]] = field(default_factory=dict)
@@ -38,17 +39,31 @@ class Schedule:
 def _missing_callback(arg: str, kind: str) -> Callable:
     """Stands in for a callback that was not given: a schedule may hold events that a
     Population built without it never reaches, but reaching one is a bug, said plainly."""
+
     def fail(rnd: int, *_: object) -> None:
         raise RuntimeError(f"Population: a {kind} event at round {rnd} but no `{arg}` callback was given")
+
     return fail
 
 
 class Population:
-    def __init__(self, n_clients: int, rho: float, seed: int, profiles: Profiles | None = None,
-                 schedule: Schedule | None = None, sampling: str = "uniform",
-                 deadline_s: float | None = None, overcommit: float = 1.0, batch_size: int = 10,
-                 arrive: Callable | None = None, drift: Callable | None = None,
-                 realtime: float | None = None, n_train: np.ndarray | None = None, epochs: int = 1):
+    def __init__(
+        self,
+        n_clients: int,
+        rho: float,
+        seed: int,
+        profiles: Profiles | None = None,
+        schedule: Schedule | None = None,
+        sampling: str = "uniform",
+        deadline_s: float | None = None,
+        overcommit: float = 1.0,
+        batch_size: int = 10,
+        arrive: Callable | None = None,
+        drift: Callable | None = None,
+        realtime: float | None = None,
+        n_train: np.ndarray | None = None,
+        epochs: int = 1,
+    ):
         self.n_clients, self.rho, self.seed = n_clients, rho, seed
         self.profiles, self.schedule = profiles, schedule or Schedule()
         self.sampling, self.deadline_s, self.overcommit = sampling, deadline_s, overcommit
@@ -88,8 +103,14 @@ class Population:
             changes = self.schedule.drift[rnd]
             self.drift_cb(rnd, changes)
             moved = {c[k] for c in changes for k in ("client", "partner") if k in c}
-            events.append({"kind": "drift", "round": rnd, "clients": sorted(moved),
-                           "changes": sorted({c["kind"] for c in changes})})
+            events.append(
+                {
+                    "kind": "drift",
+                    "round": rnd,
+                    "clients": sorted(moved),
+                    "changes": sorted({c["kind"] for c in changes}),
+                }
+            )
         if rnd in self.schedule.arrivals:
             clients = self.schedule.arrivals[rnd]
             self.arrive_cb(rnd, clients)
@@ -131,8 +152,9 @@ class Population:
         if self.n_train is None:
             raise ValueError("Population: realtime mode with profiles needs n_train (samples per client)")
         steps = np.ceil(self.n_train[clients] / self.batch_size) * self.epochs
-        secs = task_seconds(self.profiles, clients, batch_size=self.batch_size, steps=steps,
-                            bytes_down=down, bytes_up=up)
+        secs = task_seconds(
+            self.profiles, clients, batch_size=self.batch_size, steps=steps, bytes_down=down, bytes_up=up
+        )
         return {int(c): float(t) * self.realtime for c, t in zip(clients, secs, strict=True)}
 
     def timeout(self, default_s: float) -> float:
@@ -141,8 +163,9 @@ class Population:
             return self.deadline_s * self.realtime
         return default_s
 
-    def price(self, kind: str, clients, bytes_down, bytes_up, forward_samples=0,
-              trained_samples=0) -> tuple[np.ndarray, dict]:
+    def price(
+        self, kind: str, clients, bytes_down, bytes_up, forward_samples=0, trained_samples=0
+    ) -> tuple[np.ndarray, dict]:
         """Put one exchange on the emulated clock: every answering client downloads, works
         (inference passes and trained samples, FedScale's arithmetic) and uploads.
         Returns (the clients whose replies count, the clock's report: `duration_s`, the
@@ -160,16 +183,38 @@ class Population:
         rounds = kind == "train"
         if rounds and not ids.size:  # nobody answered in time: the round lasted its deadline
             self.clock.advance(self.deadline_s or 0.0)
-            return ids, {"duration_s": self.deadline_s or 0.0, "emulated_s": self.clock.now_s,
-                         "stragglers": 0, "dropouts": 0}
-        durations = task_seconds(self.profiles, ids, batch_size=1, steps=trained_samples,
-                                 forward_samples=forward_samples, bytes_down=bytes_down, bytes_up=bytes_up)
-        cut = {"deadline_s": self.deadline_s, "keep": self.target if self.overcommit > 1.0 else None,
-               "online_until": self.profiles.online_until(ids, self.clock.now_s)} if rounds else {}
+            return ids, {
+                "duration_s": self.deadline_s or 0.0,
+                "emulated_s": self.clock.now_s,
+                "stragglers": 0,
+                "dropouts": 0,
+            }
+        durations = task_seconds(
+            self.profiles,
+            ids,
+            batch_size=1,
+            steps=trained_samples,
+            forward_samples=forward_samples,
+            bytes_down=bytes_down,
+            bytes_up=bytes_up,
+        )
+        cut = (
+            {
+                "deadline_s": self.deadline_s,
+                "keep": self.target if self.overcommit > 1.0 else None,
+                "online_until": self.profiles.online_until(ids, self.clock.now_s),
+            }
+            if rounds
+            else {}
+        )
         outcome = close_round(ids, durations, start_s=self.clock.now_s, **cut)
         self.clock.advance(outcome.duration_s)
-        return outcome.kept, {"duration_s": outcome.duration_s, "emulated_s": self.clock.now_s,
-                              "stragglers": int(len(outcome.stragglers)), "dropouts": int(len(outcome.dropouts))}
+        return outcome.kept, {
+            "duration_s": outcome.duration_s,
+            "emulated_s": self.clock.now_s,
+            "stragglers": int(len(outcome.stragglers)),
+            "dropouts": int(len(outcome.dropouts)),
+        }
 
 
 def assign_profiles(spec: dict | None, n_clients: int, seed: int) -> Profiles | None:
@@ -184,13 +229,15 @@ def assign_profiles(spec: dict | None, n_clients: int, seed: int) -> Profiles | 
     elif spec.get("fedscale_capacity"):
         base = prof.import_fedscale(spec["fedscale_capacity"], spec.get("fedscale_behave"))
     else:
-        return prof.profiles_from_distribution(n_clients, spec.get("distribution") or {},
-                                               np.random.default_rng([seed, 0xDE]))
+        return prof.profiles_from_distribution(
+            n_clients, spec.get("distribution") or {}, np.random.default_rng([seed, 0xDE])
+        )
     return base.take(np.arange(n_clients) % len(base))
 
 
-def rounds_to_recover(history: list[dict], event_round: int, until: int | None = None,
-                      tolerance: float = 1.0, key: str = "acc_mean") -> dict:
+def rounds_to_recover(
+    history: list[dict], event_round: int, until: int | None = None, tolerance: float = 1.0, key: str = "acc_mean"
+) -> dict:
     """Accuracy just before an event, its lowest point after (before the next event at
     `until`), and how many rounds until it is back within `tolerance` points of where it
     was. `key` "acc_incumbents" compares like with like after an arrival: the clients
@@ -205,13 +252,18 @@ def rounds_to_recover(history: list[dict], event_round: int, until: int | None =
     low = min(after, key=level_of)
     back = next((r for r in after if r["round"] >= low["round"] and level_of(r) >= level - tolerance), None)
     b0 = sum(sum(v.values()) for v in evals[len(before) - 1]["bytes"].values())
-    out = {"round": event_round, "measured_on": "incumbents" if key == "acc_incumbents" else "all clients",
-           "before": level, "lowest": level_of(low), "lowest_round": low["round"],
-           "rounds_to_recover": None if back is None else back["round"] - event_round,
-           "bytes_to_recover": None if back is None else
-           sum(sum(v.values()) for v in back["bytes"].values()) - b0,
-           "emulated_s_to_recover": None if back is None or "emulated_s" not in back else
-           back["emulated_s"] - evals[len(before) - 1].get("emulated_s", 0.0)}
+    out = {
+        "round": event_round,
+        "measured_on": "incumbents" if key == "acc_incumbents" else "all clients",
+        "before": level,
+        "lowest": level_of(low),
+        "lowest_round": low["round"],
+        "rounds_to_recover": None if back is None else back["round"] - event_round,
+        "bytes_to_recover": None if back is None else sum(sum(v.values()) for v in back["bytes"].values()) - b0,
+        "emulated_s_to_recover": None
+        if back is None or "emulated_s" not in back
+        else back["emulated_s"] - evals[len(before) - 1].get("emulated_s", 0.0),
+    }
     if "acc_newcomers" in after[-1]:
         out["newcomers_accuracy"] = after[-1]["acc_newcomers"]
     return out
@@ -242,12 +294,17 @@ def schedule_from(cfg: dict, truth: np.ndarray, num_classes: int | None = None) 
                 raise ConfigError(f"{where}.labels: {ev['labels']} but the dataset has classes 0..{num_classes - 1}")
             changes += [{"kind": "swap_labels", "client": int(c), "labels": list(ev["labels"])} for c in movers]
             continue
-        partners = [int(c) for c in np.flatnonzero(truth == ev["to_cluster"])
-                    if int(c) not in late and int(c) not in used and int(c) not in movers]
+        partners = [
+            int(c)
+            for c in np.flatnonzero(truth == ev["to_cluster"])
+            if int(c) not in late and int(c) not in used and int(c) not in movers
+        ]
         if len(partners) < len(movers):
-            raise ConfigError(f"{where}: cluster {ev['to_cluster']} has {len(partners)} clients free to "
-                              f"swap with (present from the start, not drifting), {len(movers)} needed")
-        pairs = list(zip(movers, partners[-len(movers):], strict=True))
+            raise ConfigError(
+                f"{where}: cluster {ev['to_cluster']} has {len(partners)} clients free to "
+                f"swap with (present from the start, not drifting), {len(movers)} needed"
+            )
+        pairs = list(zip(movers, partners[-len(movers) :], strict=True))
         used.update(p for _, p in pairs)
         changes += [{"kind": "move", "client": int(a), "partner": int(b)} for a, b in pairs]
     return sched

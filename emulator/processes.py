@@ -1,4 +1,5 @@
 """Starting, watching and stopping the device processes on this machine."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,14 @@ from server.transport import Transport
 class DeviceFleet:
     """Device processes launched with `python -m devices`, one log file each."""
 
-    def __init__(self, endpoint: str, log_dir: Path, threads: int = 1, crash: dict | None = None,
-                 enroll: Callable[[str], dict[str, str]] = lambda name: {}):
+    def __init__(
+        self,
+        endpoint: str,
+        log_dir: Path,
+        threads: int = 1,
+        crash: dict | None = None,
+        enroll: Callable[[str], dict[str, str]] = lambda name: {},
+    ):
         self.endpoint, self.log_dir, self.threads = endpoint, log_dir, threads
         self.enroll = enroll  # name -> the credentials (env vars) that alone get that name
         self.crash = crash or {}  # device index -> round at which it dies (fault injection)
@@ -32,8 +39,19 @@ class DeviceFleet:
         return names
 
     def spawn(self, name: str, crash_at_round: int | None = None) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "devices", "--connect", self.endpoint, "--name", name,
-               "--threads", str(self.threads), "--parent-pid", str(os.getpid())]
+        cmd = [
+            sys.executable,
+            "-m",
+            "devices",
+            "--connect",
+            self.endpoint,
+            "--name",
+            name,
+            "--threads",
+            str(self.threads),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         if crash_at_round is not None:
             cmd += ["--crash-at-round", str(crash_at_round)]
         # secrets by environment (same user only), never on the command line (`ps` shows it)
@@ -41,8 +59,7 @@ class DeviceFleet:
         # the child keeps its own copy of the log's descriptor; ours closes when the block ends
         with open(self.log_dir / f"{name}.log", "w") as logf:
             # own process group: Ctrl-C reaches the emulator, which shuts devices down in order
-            return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
+            return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def alive(self, name: str) -> bool:
         proc = self.procs.get(name)
@@ -56,8 +73,10 @@ class DeviceFleet:
         while len(set(transport.devices) & set(self.procs)) < len(self.procs):
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
             if dead:
-                raise DeviceError(f"device process {dead[0]} exited with code "
-                                   f"{self.procs[dead[0]].returncode} before connecting:\n{self.tail(dead[0])}")
+                raise DeviceError(
+                    f"device process {dead[0]} exited with code "
+                    f"{self.procs[dead[0]].returncode} before connecting:\n{self.tail(dead[0])}"
+                )
             if time.monotonic() > deadline:
                 raise DeviceError(f"device processes did not connect within {timeout_s:.0f} s")
             got = transport.recv(0.5)
@@ -96,12 +115,10 @@ class DeviceFleet:
         return {**self.retired, **{n: p.poll() for n, p in self.procs.items()}}
 
 
-def make_fleet(devices: dict, endpoint: str, log_dir: Path,
-               enroll: Callable[[str], dict[str, str]]) -> DeviceFleet:
+def make_fleet(devices: dict, endpoint: str, log_dir: Path, enroll: Callable[[str], dict[str, str]]) -> DeviceFleet:
     """The launcher the scenario's `devices.launcher` names: processes here, or Ray actors."""
     if devices["launcher"] == "ray":
         from emulator.ray_launcher import RayFleet
 
-        return RayFleet(endpoint, log_dir, devices["threads"], devices["crash"], enroll,
-                        address=devices["ray_address"])
+        return RayFleet(endpoint, log_dir, devices["threads"], devices["crash"], enroll, address=devices["ray_address"])
     return DeviceFleet(endpoint, log_dir, devices["threads"], devices["crash"], enroll=enroll)

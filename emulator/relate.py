@@ -7,6 +7,7 @@ artifacts (relate.json, fcr.npz, adjacency.png, dendrogram.png, centroids.png, u
 prints the clusters found, their sizes, ARI/NMI against the planted clusters, bytes and
 seconds: what a user runs to see whether their clients are related.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,9 @@ def _defaults(cls) -> dict:
     return validate({}, cls.PARAMS, cls.name)
 
 
-def relate_scenario(cfg: dict, out: str | None = None, method: str | None = None,
-                    progress=print, umap: bool = True) -> tuple[Path, dict]:
+def relate_scenario(
+    cfg: dict, out: str | None = None, method: str | None = None, progress=print, umap: bool = True
+) -> tuple[Path, dict]:
     """Run FCR once over every client of the scenario; returns the run folder and the report."""
     spec = pick_method(cfg, method)
     run_dir = make_run_dir(cfg, out)
@@ -78,8 +80,7 @@ def relate_scenario(cfg: dict, out: str | None = None, method: str | None = None
     torch.set_num_threads(max(1, (os.cpu_count() or 1) - n_proc * cfg["devices"]["threads"]))
     d = cfg["devices"]
     transport = Transport(d["bind"], gate_for(d["bind"], d["security"], d["keys"], external=0))  # local only
-    fleet = processes.DeviceFleet(transport.endpoint, run_dir / "logs", d["threads"], {},
-                                  enroll=transport.gate.enroll)
+    fleet = processes.DeviceFleet(transport.endpoint, run_dir / "logs", d["threads"], {}, enroll=transport.gate.enroll)
     transport.alive = fleet.alive
     tic = time.perf_counter()
     try:
@@ -87,9 +88,18 @@ def relate_scenario(cfg: dict, out: str | None = None, method: str | None = None
         devices = fleet.wait(transport, cfg["devices"]["start_timeout_s"])
         meta = assign_meta(cfg, model_spec)
         assign_clients(transport, partition, devices, meta, cfg["devices"]["start_timeout_s"], np.arange(m))
-        ctx = Context(init=init, n_clients=m, n_train=np.array([len(t) for t in partition.train]),
-                      device=aggregation_device(), seed=cfg["seed"], run_dir=run_dir / spec["label"],
-                      truth=partition.cluster.copy(), train=cfg["train"], scenario=cfg, public=public)
+        ctx = Context(
+            init=init,
+            n_clients=m,
+            n_train=np.array([len(t) for t in partition.train]),
+            device=aggregation_device(),
+            seed=cfg["seed"],
+            run_dir=run_dir / spec["label"],
+            truth=partition.cluster.copy(),
+            train=cfg["train"],
+            scenario=cfg,
+            public=public,
+        )
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
         fed = Federation(transport, cfg["train"], cfg["seed"], cfg["devices"]["round_timeout_s"], ctx.device)
         fed.present = np.arange(m)
@@ -98,9 +108,12 @@ def relate_scenario(cfg: dict, out: str | None = None, method: str | None = None
         strategy = STRATEGIES[spec["name"]](ctx, **spec["params"])
         assert isinstance(strategy, FLT)  # pick_method() picks FLT or a subclass
         strategy.setup(fed)
-        result = strategy.fcr_reports[0] | {"method": spec["label"], "wall_s": time.perf_counter() - tic,
-                                            "bytes": _fcr_traffic(transport), "planted_clusters":
-                                            int(len(np.unique(partition.cluster[partition.cluster >= 0])))}
+        result = strategy.fcr_reports[0] | {
+            "method": spec["label"],
+            "wall_s": time.perf_counter() - tic,
+            "bytes": _fcr_traffic(transport),
+            "planted_clusters": int(len(np.unique(partition.cluster[partition.cluster >= 0]))),
+        }
     finally:
         transport.close()
         fleet.stop()
@@ -126,11 +139,16 @@ def _fcr_traffic(transport: Transport) -> dict:
 
 def describe(r: dict) -> str:
     sizes = ", ".join(map(str, r["cluster_sizes"]))
-    quality = (f"ARI {r['ari']:.3f}, NMI {r['nmi']:.3f} against {r['planted_clusters']} planted clusters"
-               if "ari" in r else "no planted clusters to compare with")
+    quality = (
+        f"ARI {r['ari']:.3f}, NMI {r['nmi']:.3f} against {r['planted_clusters']} planted clusters"
+        if "ari" in r
+        else "no planted clusters to compare with"
+    )
     sil = f", silhouette {r['silhouette']:.3f}" if r.get("silhouette") is not None else ""
     mb = sum(sum(v.values()) for v in r["bytes"].values()) / 1e6
-    return (f"FCR ({r['method']}): {r['clusters']} clusters of sizes [{sizes}]{sil}\n"
-            f"  {quality}\n"
-            f"  {r['n_clients']} clients, {mb:.2f} MB on the wire (encoder + centroids), "
-            f"{r['wall_s']:.1f} s in all, {r['server_seconds']:.2f} s of it clustering on the server")
+    return (
+        f"FCR ({r['method']}): {r['clusters']} clusters of sizes [{sizes}]{sil}\n"
+        f"  {quality}\n"
+        f"  {r['n_clients']} clients, {mb:.2f} MB on the wire (encoder + centroids), "
+        f"{r['wall_s']:.1f} s in all, {r['server_seconds']:.2f} s of it clustering on the server"
+    )

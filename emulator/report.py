@@ -1,4 +1,5 @@
 """Results a person can open: summary.json, a printed table, convergence plots."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,9 @@ def command_line() -> str:
     return shlex.join(["flt", *COMMAND] if COMMAND is not None else sys.argv)
 
 
-def method_summary(spec: dict, history: list[dict], strategy, transport: Transport,
-                   model_bytes: int, cfg: dict) -> dict:
+def method_summary(
+    spec: dict, history: list[dict], strategy, transport: Transport, model_bytes: int, cfg: dict
+) -> dict:
     evals = [r for r in history if "acc_mean" in r]
     last = evals[-1] if evals else {}
     best = max(evals, key=lambda r: r["acc_mean"]) if evals else {}
@@ -34,19 +36,26 @@ def method_summary(spec: dict, history: list[dict], strategy, transport: Transpo
     # the paper's formulas count training traffic only: model, encoder and embedding payload
     measured = sum(payload[d][k] for d in payload for k in ("model", "encoder", "embedding"))
     out = {
-        "method": spec["name"], "label": spec["label"], "params": spec["params"],
-        "final_accuracy": last.get("acc_mean"), "final_se": last.get("acc_se"),
-        "final_variance": last.get("acc_var"), "best_accuracy": best.get("acc_mean"),
-        "best_round": best.get("round"), "rounds": len(history),
+        "method": spec["name"],
+        "label": spec["label"],
+        "params": spec["params"],
+        "final_accuracy": last.get("acc_mean"),
+        "final_se": last.get("acc_se"),
+        "final_variance": last.get("acc_var"),
+        "best_accuracy": best.get("acc_mean"),
+        "best_round": best.get("round"),
+        "rounds": len(history),
         "rounds_to_target": _to_target(evals, cfg["train"]["target_accuracy"]),
-        "bytes_payload": payload, "bytes_overhead": overhead,
+        "bytes_payload": payload,
+        "bytes_overhead": overhead,
         "bytes_up": sum(payload["up"].values()) + overhead["up"],
         "bytes_down": sum(payload["down"].values()) + overhead["down"],
         "formula_payload_bytes": measured,
         "expected": expected,
         **transport.ledger.rejections.summary(),  # messages, bytes and reasons, never traffic
         "lost_clients": transport.lost_clients().tolist(),
-        "model_bytes": model_bytes, "selections": selections,
+        "model_bytes": model_bytes,
+        "selections": selections,
     }
     if expected:
         out["bytes_vs_formula"] = measured / expected["bytes"] if expected["bytes"] else math.nan
@@ -57,11 +66,17 @@ def method_summary(spec: dict, history: list[dict], strategy, transport: Transpo
     changes = [e for r in history for e in r.get("events", []) if e["kind"] in ("arrival", "drift")]
     if changes:
         nxt = [e["round"] for e in changes[1:]] + [None]
-        out["changes"] = [{"kind": e["kind"], "clients": len(e["clients"]),
-                           **{k: e[k] for k in ("placement", "ari", "fcr_bytes") if k in e},
-                           **rounds_to_recover(history, e["round"], until,
-                                               key="acc_incumbents" if e["kind"] == "arrival" else "acc_mean")}
-                          for e, until in zip(changes, nxt, strict=True)]
+        out["changes"] = [
+            {
+                "kind": e["kind"],
+                "clients": len(e["clients"]),
+                **{k: e[k] for k in ("placement", "ari", "fcr_bytes") if k in e},
+                **rounds_to_recover(
+                    history, e["round"], until, key="acc_incumbents" if e["kind"] == "arrival" else "acc_mean"
+                ),
+            }
+            for e, until in zip(changes, nxt, strict=True)
+        ]
     without_test = max((r.get("clients_without_test", 0) for r in evals), default=0)
     if without_test:
         out["clients_without_test"] = without_test  # left out of every accuracy mean
@@ -76,9 +91,12 @@ def _timing(rounds: list[dict]) -> dict:
     if not rounds:
         return {"setup_s": 0.0, "wall_s": 0.0, "s_per_round": 0.0, "eval_s_per_round": 0.0}
     # median: round 1 pays one-off warm-up (imports, first vmap); evaluation is apart
-    return {"setup_s": rounds[0]["setup_s"], "wall_s": rounds[-1]["wall_s"],
-            "s_per_round": float(np.median([t["train_s"] for t in rounds])),
-            "eval_s_per_round": float(np.median([t["eval_s"] for t in rounds if "eval_s" in t] or [0.0]))}
+    return {
+        "setup_s": rounds[0]["setup_s"],
+        "wall_s": rounds[-1]["wall_s"],
+        "s_per_round": float(np.median([t["train_s"] for t in rounds])),
+        "eval_s_per_round": float(np.median([t["eval_s"] for t in rounds if "eval_s" in t] or [0.0])),
+    }
 
 
 def _to_target(evals: list[dict], target: float | None):
@@ -88,16 +106,20 @@ def _to_target(evals: list[dict], target: float | None):
     if hit is None:
         return None
     b = hit["bytes"]
-    return {"round": hit["round"], "bytes": sum(sum(v.values()) for v in b.values()),
-            "emulated_s": hit.get("emulated_s")}
+    return {
+        "round": hit["round"],
+        "bytes": sum(sum(v.values()) for v in b.values()),
+        "emulated_s": hit.get("emulated_s"),
+    }
 
 
 def finished_methods(run_dir: Path, cfg: dict) -> dict:
     """A killed run's summary.json, keeping only the methods that ran all their rounds."""
     path = run_dir / "summary.json"
     summary = json.loads(path.read_text()) if path.exists() else {}
-    done = {label: m for label, m in (summary.get("methods") or {}).items()
-            if m.get("rounds") == cfg["train"]["rounds"]}
+    done = {
+        label: m for label, m in (summary.get("methods") or {}).items() if m.get("rounds") == cfg["train"]["rounds"]
+    }
     return {"scenario": cfg["name"], "methods": done, "partition_notes": summary.get("partition_notes", [])}
 
 
@@ -116,9 +138,11 @@ def _jsonable(x):
 
 
 def table(summary: dict) -> str:
-    head = (f"{'method':<14}{'final acc':>10}{'± s.e.':>8}{'variance':>10}{'best':>8}"
-            f"{'up MB':>10}{'down MB':>10}{'overhead MB':>12}{'vs formula':>11}"
-            f"{'clusters':>9}{'ARI':>6}{'emulated':>10}{'s/round':>9}")
+    head = (
+        f"{'method':<14}{'final acc':>10}{'± s.e.':>8}{'variance':>10}{'best':>8}"
+        f"{'up MB':>10}{'down MB':>10}{'overhead MB':>12}{'vs formula':>11}"
+        f"{'clusters':>9}{'ARI':>6}{'emulated':>10}{'s/round':>9}"
+    )
     rows = [head, "-" * len(head)]
     for label, m in summary["methods"].items():
         ratio = m.get("bytes_vs_formula")
@@ -130,7 +154,8 @@ def table(summary: dict) -> str:
             f"{sum(m['bytes_overhead'].values()) / 1e6:>12.3f}"
             f"{(f'{ratio:.4f}' if ratio is not None else '-'):>11}"
             f"{(clusters if clusters is not None else '-'):>9}{_f(ari, 6)}"
-            f"{(f'{emulated:.0f} s' if emulated is not None else '-'):>10}{m['timing']['s_per_round']:>9.2f}")
+            f"{(f'{emulated:.0f} s' if emulated is not None else '-'):>10}{m['timing']['s_per_round']:>9.2f}"
+        )
     return "\n".join(rows)
 
 
@@ -184,8 +209,14 @@ def plot_convergence(run_dir: Path, summary: dict, path: Path | None = None) -> 
                 if e["kind"] in ("arrival", "drift") and e["round"] not in marked:
                     marked.add(e["round"])
                     ax_r.axvline(e["round"], color="grey", ls="--", lw=0.8)
-                    ax_r.annotate(e["kind"], (e["round"], 0.02), xycoords=("data", "axes fraction"),
-                                  rotation=90, fontsize=7, color="grey")
+                    ax_r.annotate(
+                        e["kind"],
+                        (e["round"], 0.02),
+                        xycoords=("data", "axes fraction"),
+                        rotation=90,
+                        fontsize=7,
+                        color="grey",
+                    )
     ax_r.set(xlabel="round", ylabel="mean client test accuracy (%)", title=summary["scenario"])
     ax_b.set(xlabel="bytes on the wire, up + down (MB)", ylabel="mean client test accuracy (%)")
     ax_b.set_xscale("symlog")

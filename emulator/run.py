@@ -5,6 +5,7 @@ device processes, runs every method on the same partition, initial weights and
 participation draws, and writes the results as they come: config.yaml, partition.npz,
 <method>/metrics.jsonl, summary.json, convergence.png.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,10 @@ def make_run_dir(cfg: dict, out: str | None) -> Path:
 def load_data(cfg: dict) -> tuple[Dataset, Dataset]:
     d = cfg["data"]
     # mapped, not copied: the server reads labels only, and shares the pages with its devices
-    return (load_shared(d["dataset"], d["root"], train=True, download=d["download"]),
-            load_shared(d["dataset"], d["root"], train=False, download=d["download"]))
+    return (
+        load_shared(d["dataset"], d["root"], train=True, download=d["download"]),
+        load_shared(d["dataset"], d["root"], train=False, download=d["download"]),
+    )
 
 
 def hold_out_public(cfg: dict, n_train: int) -> np.ndarray:
@@ -64,19 +67,40 @@ def build_partition(cfg: dict, train: Dataset, test: Dataset, public: np.ndarray
     common = dict(test_per_client=p["test_per_client"], rng=rng, exclude=public)
     if p["kind"] == "clusters":
         return part.partition_clusters(
-            train.y, test.y, n_clients=p["clients"], n_clusters=p["clusters"],
-            classes_per_cluster=p["classes_per_cluster"], shared_classes=p["shared_classes"],
-            samples_per_client=p["samples_per_client"], on_short=p["on_short"], **common)
+            train.y,
+            test.y,
+            n_clients=p["clients"],
+            n_clusters=p["clusters"],
+            classes_per_cluster=p["classes_per_cluster"],
+            shared_classes=p["shared_classes"],
+            samples_per_client=p["samples_per_client"],
+            on_short=p["on_short"],
+            **common,
+        )
     if p["kind"] == "dirichlet":
-        return part.partition_dirichlet(train.y, test.y, n_clients=p["clients"], alpha=p["alpha"],
-                                        samples_per_client=p["samples_per_client"], **common)
+        return part.partition_dirichlet(
+            train.y,
+            test.y,
+            n_clients=p["clients"],
+            alpha=p["alpha"],
+            samples_per_client=p["samples_per_client"],
+            **common,
+        )
     if p["kind"] == "structured":
         return part.partition_structured(
-            train.y, test.y, n_clients=p["clients"], n_clusters=p["clusters"],
-            classes_per_cluster=p["classes_per_cluster"], alpha=p["alpha"], delta=p["delta"], **common)
+            train.y,
+            test.y,
+            n_clients=p["clients"],
+            n_clusters=p["clusters"],
+            classes_per_cluster=p["classes_per_cluster"],
+            alpha=p["alpha"],
+            delta=p["delta"],
+            **common,
+        )
     if train.groups is None:
-        raise part.PartitionError(f"partition.kind: 'writers' needs a dataset with writers "
-                                  f"(femnist), not {cfg['data']['dataset']!r}")
+        raise part.PartitionError(
+            f"partition.kind: 'writers' needs a dataset with writers (femnist), not {cfg['data']['dataset']!r}"
+        )
     return part.partition_groups(train.groups, test.groups, n_clients=p["clients"], rng=rng)
 
 
@@ -93,13 +117,25 @@ def aggregation_device() -> torch.device:
 
 def assign_meta(cfg: dict, model_spec: dict) -> dict:
     """What every device needs to host its clients: where the data is, the model, where to train."""
-    return {"dataset": {"name": cfg["data"]["dataset"], "root": _abs(cfg["data"]["root"]),
-                        "download": cfg["data"]["download"]},
-            "model": model_spec, "accelerator": cfg["devices"]["accelerator"]}
+    return {
+        "dataset": {
+            "name": cfg["data"]["dataset"],
+            "root": _abs(cfg["data"]["root"]),
+            "download": cfg["data"]["download"],
+        },
+        "model": model_spec,
+        "accelerator": cfg["devices"]["accelerator"],
+    }
 
 
-def assign_clients(transport: Transport, partition: part.Partition, devices: list[str], meta: dict,
-                   timeout_s: float, clients: np.ndarray) -> None:
+def assign_clients(
+    transport: Transport,
+    partition: part.Partition,
+    devices: list[str],
+    meta: dict,
+    timeout_s: float,
+    clients: np.ndarray,
+) -> None:
     """Give each device a contiguous block of `clients`: their shard indices, never data."""
     blocks = np.array_split(np.asarray(clients, dtype=np.int64), len(devices))
     for device, block in zip(devices, blocks, strict=True):
@@ -127,8 +163,16 @@ class Dynamics:
     """The process side of arrivals and drift: newcomer device processes and shard swaps.
     Everything is undone when a method ends, so the next method replays the same story."""
 
-    def __init__(self, transport: Transport, fleet: processes.DeviceFleet, partition: part.Partition,
-                 meta: dict, ctx: Context, cfg: dict, progress):
+    def __init__(
+        self,
+        transport: Transport,
+        fleet: processes.DeviceFleet,
+        partition: part.Partition,
+        meta: dict,
+        ctx: Context,
+        cfg: dict,
+        progress,
+    ):
         self.transport, self.fleet, self.partition, self.meta = transport, fleet, partition, meta
         self.ctx, self.cfg, self.progress = ctx, cfg, progress
         self.newcomer_devices: list[str] = []
@@ -138,8 +182,9 @@ class Dynamics:
     def arrive(self, rnd: int, clients: np.ndarray) -> None:
         name = self.fleet.start(1, prefix=f"new-m{self.method}-r{rnd}")[0]
         self.fleet.wait(self.transport, self.cfg["devices"]["start_timeout_s"])
-        assign_clients(self.transport, self.partition, [name], self.meta,
-                       self.cfg["devices"]["start_timeout_s"], clients)
+        assign_clients(
+            self.transport, self.partition, [name], self.meta, self.cfg["devices"]["start_timeout_s"], clients
+        )
         self.newcomer_devices.append(name)
         self.progress(f"round {rnd}: {len(clients)} newcomers joined on new device process {name}")
 
@@ -164,9 +209,15 @@ class Dynamics:
 
     def _send_shard(self, c: int, flag: bool, extra: dict | None = None) -> None:
         p = self.partition
-        self.transport.send(self.transport.client_device[c], Message(
-            "drift", client=c, meta={"flag": flag, **(extra or {})},
-            tensors={"train": p.train[c], "test": p.test[c]}))
+        self.transport.send(
+            self.transport.client_device[c],
+            Message(
+                "drift",
+                client=c,
+                meta={"flag": flag, **(extra or {})},
+                tensors={"train": p.train[c], "test": p.test[c]},
+            ),
+        )
 
     def undo(self) -> None:
         for change in reversed(self.applied):
@@ -222,29 +273,52 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print, resume: bool
     # the server's own tensor work is light; leave the cores to the device processes
     torch.set_num_threads(max(1, (os.cpu_count() or 1) - n_proc * cfg["devices"]["threads"]))
     d = cfg["devices"]
-    transport = Transport(d["bind"], gate_for(d["bind"], d["security"], d["keys"], d["external"]),
-                          max_inbound=init.numel() * init.element_size())  # devices upload one model at most
+    transport = Transport(
+        d["bind"],
+        gate_for(d["bind"], d["security"], d["keys"], d["external"]),
+        max_inbound=init.numel() * init.element_size(),
+    )  # devices upload one model at most
     fleet = processes.make_fleet(d, transport.endpoint, run_dir / "logs", enroll=transport.gate.enroll)
     transport.alive = fleet.alive
-    summary = report.finished_methods(run_dir, cfg) if resume else \
-        {"scenario": cfg["name"], "methods": {}, "partition_notes": partition.notes}
+    summary = (
+        report.finished_methods(run_dir, cfg)
+        if resume
+        else {"scenario": cfg["name"], "methods": {}, "partition_notes": partition.notes}
+    )
     try:
         fleet.start(n_proc)
         devices = fleet.wait(transport, cfg["devices"]["start_timeout_s"])
-        devices += wait_external(transport, devices, cfg["devices"]["external"],
-                                 cfg["devices"]["start_timeout_s"], progress)
+        devices += wait_external(
+            transport, devices, cfg["devices"]["external"], cfg["devices"]["start_timeout_s"], progress
+        )
         meta = assign_meta(cfg, model_spec)
         late = np.concatenate(list(schedule.arrivals.values())) if schedule.arrivals else np.zeros(0, np.int64)
         first = np.setdiff1d(np.arange(partition.n_clients), late)
         assign_clients(transport, partition, devices, meta, cfg["devices"]["start_timeout_s"], first)
-        progress(f"{len(devices)} device processes host {len(first)} clients"
-                 + (f"; {len(late)} newcomers arrive later" if len(late) else ""))
-        ctx = Context(init=init, n_clients=partition.n_clients,
-                      n_train=np.array([len(t) for t in partition.train]),
-                      device=aggregation_device(), seed=cfg["seed"], run_dir=run_dir,
-                      truth=partition.cluster.copy(), train=cfg["train"], scenario=cfg, public=public)
-        fed = Federation(transport, cfg["train"], cfg["seed"], cfg["devices"]["round_timeout_s"], ctx.device,
-                         shard_sizes=lambda c: (len(partition.train[c]), len(partition.test[c])))
+        progress(
+            f"{len(devices)} device processes host {len(first)} clients"
+            + (f"; {len(late)} newcomers arrive later" if len(late) else "")
+        )
+        ctx = Context(
+            init=init,
+            n_clients=partition.n_clients,
+            n_train=np.array([len(t) for t in partition.train]),
+            device=aggregation_device(),
+            seed=cfg["seed"],
+            run_dir=run_dir,
+            truth=partition.cluster.copy(),
+            train=cfg["train"],
+            scenario=cfg,
+            public=public,
+        )
+        fed = Federation(
+            transport,
+            cfg["train"],
+            cfg["seed"],
+            cfg["devices"]["round_timeout_s"],
+            ctx.device,
+            shard_sizes=lambda c: (len(partition.train[c]), len(partition.test[c])),
+        )
         dynamics = Dynamics(transport, fleet, partition, meta, ctx, cfg, progress)
         for i, spec in enumerate(cfg["methods"]):
             if spec["label"] in summary["methods"]:
@@ -275,15 +349,36 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print, resume: bool
 
 def make_population(cfg: dict, ctx: Context, schedule, profiles, dynamics: Dynamics) -> Population:
     pop = cfg["population"]
-    return Population(ctx.n_clients, cfg["train"]["participation"], cfg["seed"], profiles=profiles,
-                      schedule=schedule, sampling=pop["sampling"], deadline_s=pop["deadline_s"],
-                      overcommit=pop["overcommit"], batch_size=cfg["train"]["batch_size"],
-                      arrive=dynamics.arrive, drift=dynamics.drift, realtime=pop["realtime"],
-                      n_train=ctx.n_train, epochs=cfg["train"]["local_epochs"])
+    return Population(
+        ctx.n_clients,
+        cfg["train"]["participation"],
+        cfg["seed"],
+        profiles=profiles,
+        schedule=schedule,
+        sampling=pop["sampling"],
+        deadline_s=pop["deadline_s"],
+        overcommit=pop["overcommit"],
+        batch_size=cfg["train"]["batch_size"],
+        arrive=dynamics.arrive,
+        drift=dynamics.drift,
+        realtime=pop["realtime"],
+        n_train=ctx.n_train,
+        epochs=cfg["train"]["local_epochs"],
+    )
 
 
-def run_one(spec: dict, ctx: Context, fed: Federation, transport: Transport, population: Population,
-            cfg: dict, run_dir: Path, progress, summary: dict, resume: bool = False) -> None:
+def run_one(
+    spec: dict,
+    ctx: Context,
+    fed: Federation,
+    transport: Transport,
+    population: Population,
+    cfg: dict,
+    run_dir: Path,
+    progress,
+    summary: dict,
+    resume: bool = False,
+) -> None:
     """One method; its entry in `summary`, and summary.json, are rewritten after every round."""
     # one reset per device process: housekeeping, not the method's traffic (and billing it
     # would make the bytes depend on how many processes there are)
@@ -295,12 +390,22 @@ def run_one(spec: dict, ctx: Context, fed: Federation, transport: Transport, pop
     progress(f"== {spec['label']} ==" + (" (resumed)" if resume else ""))
 
     def record(history: list[dict]) -> None:
-        summary["methods"][spec["label"]] = report.method_summary(spec, history, strategy, transport,
-                                                                  ctx.init.numel() * 4, cfg)
+        summary["methods"][spec["label"]] = report.method_summary(
+            spec, history, strategy, transport, ctx.init.numel() * 4, cfg
+        )
         report.write_summary(run_dir, summary)
 
-    run_method(strategy, fed, population, cfg["train"]["rounds"], cfg["train"]["eval_every"],
-               ctx.run_dir, progress, on_round=record, resume=resume)
+    run_method(
+        strategy,
+        fed,
+        population,
+        cfg["train"]["rounds"],
+        cfg["train"]["eval_every"],
+        ctx.run_dir,
+        progress,
+        on_round=record,
+        resume=resume,
+    )
 
 
 def _abs(root: str | None) -> str | None:

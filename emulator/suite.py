@@ -8,6 +8,7 @@ Run the same command again after a crash, a Ctrl-C or a reboot and it picks up w
 stopped. The terminal shows scenario i of n, the round and the time left at the current
 pace.
 """
+
 from __future__ import annotations
 
 import time
@@ -63,8 +64,10 @@ def plan(paths: list[Path], overrides: list[str], out: Path) -> list[Entry]:
     for f in scenario_files(paths):
         cfg = config.load(f, overrides)
         if cfg["name"] in seen:
-            raise ConfigError(f"{f}: name {cfg['name']!r} is also {seen[cfg['name']]}'s; each scenario "
-                              "needs its own name (it names the scenario's folder)")
+            raise ConfigError(
+                f"{f}: name {cfg['name']!r} is also {seen[cfg['name']]}'s; each scenario "
+                "needs its own name (it names the scenario's folder)"
+            )
         seen[cfg["name"]] = f
         entries.append(Entry(f, cfg, out / cfg["name"]))
     return entries
@@ -76,13 +79,17 @@ def state(entry: Entry) -> str:
     if not folder.exists() or not any(folder.iterdir()):
         return "new"
     if not (folder / "config.yaml").is_file():
-        raise ConfigError(f"{folder}: exists but is not a run folder (no config.yaml); move it, or "
-                          "choose another --out")
-    changed = first_difference(yaml.safe_load(config.dump(entry.cfg)),
-                               yaml.safe_load((folder / "config.yaml").read_text()))
+        raise ConfigError(
+            f"{folder}: exists but is not a run folder (no config.yaml); move it, or choose another --out"
+        )
+    changed = first_difference(
+        yaml.safe_load(config.dump(entry.cfg)), yaml.safe_load((folder / "config.yaml").read_text())
+    )
     if changed:
-        raise ConfigError(f"{entry.file}: differs from the run in {folder} ({changed}); remove that "
-                          "folder to start over, or choose another --out")
+        raise ConfigError(
+            f"{entry.file}: differs from the run in {folder} ({changed}); remove that "
+            "folder to start over, or choose another --out"
+        )
     done = report.finished_methods(folder, entry.cfg)["methods"]
     if all(m["label"] in done for m in entry.cfg["methods"]):
         return "finished"
@@ -133,8 +140,9 @@ class SuiteDisplay(Display):
             return super().tail(i, n, unit)
         pace = (time.monotonic() - self.started) / max(self.ran, 1)  # setup and pretraining included
         left = self.total - self.rounds_so_far
-        return f"  suite {100 * self.rounds_so_far / self.total:.0f}%" + (f", ~{duration(pace * left)} left"
-                                                                     if left else "")
+        return f"  suite {100 * self.rounds_so_far / self.total:.0f}%" + (
+            f", ~{duration(pace * left)} left" if left else ""
+        )
 
     def decorate(self, text: str, unit: str) -> str:
         return f"[{self.index + 1}/{len(self.entries)} {self.entries[self.index].name}] {text.lstrip()}"
@@ -161,12 +169,14 @@ def run_suite(paths: list[Path], overrides: list[str], out: Path, display: Displ
         tic = time.monotonic()
         try:
             if st == "interrupted":
-                run_scenario(config.load(entry.folder / "config.yaml", []), str(entry.folder),
-                             progress=display, resume=True)
+                run_scenario(
+                    config.load(entry.folder / "config.yaml", []), str(entry.folder), progress=display, resume=True
+                )
             else:
                 run_scenario(entry.cfg, str(entry.folder), progress=display)
-            outcome.append((entry, f"{'resumed' if st == 'interrupted' else 'ran'} in "
-                                   f"{duration(time.monotonic() - tic)}"))
+            outcome.append(
+                (entry, f"{'resumed' if st == 'interrupted' else 'ran'} in {duration(time.monotonic() - tic)}")
+            )
         except FltError as exc:  # this scenario's input or devices; the others may be fine
             display(f"error: {entry.file}: {exc}")
             outcome.append((entry, f"failed: {exc}"))

@@ -3,6 +3,7 @@
 Clients embed their local data with the encoder only; it ships as ONNX so edge
 devices need onnxruntime, not torch.
 """
+
 from __future__ import annotations
 
 import io
@@ -122,5 +123,5 @@ def onnx_embed(session, x: np.ndarray, batch: int = 1024) -> np.ndarray:
     out_dim = session.get_outputs()[0].shape[-1]
     if len(x) == 0:
         return np.zeros((0, int(out_dim) if isinstance(out_dim, int) else 0), dtype=np.float32)
-    outs = [session.run(None, {in_name: x[i:i + batch]})[0] for i in range(0, len(x), batch)]
+    outs = [session.run(None, {in_name: x[i : i + batch]})[0] for i in range(0, len(x), batch)]
     return np.concatenate(outs, axis=0).astype(np.float32, copy=False)

@@ -3,6 +3,7 @@
 Layout is the order of ``module.named_parameters()``; buffers are not included
 (none of our models has any that matter).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ def unflatten(vec: torch.Tensor, spec: ParamSpec) -> dict[str, torch.Tensor]:
     off = 0
     for name, shape, n in zip(spec.names, spec.shapes, spec.numel, strict=True):
         # Slicing the last dim keeps each row contiguous, so .view always succeeds.
-        out[name] = vec[..., off:off + n].view(*batch, *shape)
+        out[name] = vec[..., off : off + n].view(*batch, *shape)
         off += n
     return out
 

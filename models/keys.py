@@ -8,6 +8,7 @@ A device's name on the server is the name of its key file (`edge-1.key` -> `edge
 Local device processes get their credentials from the emulator through the environment
 (readable only by the same user), never on the command line, which `ps` shows to all.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,10 +23,10 @@ import zmq.auth
 
 from scenarios.errors import FltError
 
-SERVER = "server"                        # DIR/server.key, DIR/server.key_secret
-ENV_SECRET = "FLT_DEVICE_SECRET_KEY"     # z85 secret key of a local device (CURVE)
-ENV_SERVER = "FLT_SERVER_KEY"            # z85 public key of the server (CURVE)
-ENV_TOKEN = "FLT_DEVICE_TOKEN"           # per-device secret on loopback without CURVE
+SERVER = "server"  # DIR/server.key, DIR/server.key_secret
+ENV_SECRET = "FLT_DEVICE_SECRET_KEY"  # z85 secret key of a local device (CURVE)
+ENV_SERVER = "FLT_SERVER_KEY"  # z85 public key of the server (CURVE)
+ENV_TOKEN = "FLT_DEVICE_TOKEN"  # per-device secret on loopback without CURVE
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -43,8 +44,12 @@ def write_keypair(directory: Path, name: str) -> tuple[Path, Path]:
     pub_path, sec_path = directory / f"{name}.key", directory / f"{name}.key_secret"
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     body = f'curve\n    public-key = "{public.decode()}"\n'
-    _create(sec_path, f"#   ZeroMQ CURVE **Secret** Certificate for {name} ({stamp}); keep it private\n"
-            f"metadata\n{body}    secret-key = \"{secret.decode()}\"\n", 0o600)
+    _create(
+        sec_path,
+        f"#   ZeroMQ CURVE **Secret** Certificate for {name} ({stamp}); keep it private\n"
+        f'metadata\n{body}    secret-key = "{secret.decode()}"\n',
+        0o600,
+    )
     _create(pub_path, f"#   ZeroMQ CURVE Public Certificate for {name} ({stamp})\nmetadata\n{body}", 0o644)
     return pub_path, sec_path
 
@@ -68,39 +73,46 @@ def read_key(path: str | Path, secret: bool = False) -> tuple[bytes, bytes | Non
     except (OSError, ValueError) as exc:
         raise KeyFileError(f"{path}: not a readable CURVE key file ({exc})") from None
     if not public or len(public) != 40 or (secret and (not secret_key or len(secret_key) != 40)):
-        raise KeyFileError(f"{path}: " + ("no secret key in it (use NAME.key_secret)" if secret
-                                          else "no valid public key in it"))
+        raise KeyFileError(
+            f"{path}: " + ("no secret key in it (use NAME.key_secret)" if secret else "no valid public key in it")
+        )
     return public, secret_key
 
 
 def key_name(path: str | Path) -> str:
     """`DIR/edge-1.key_secret` -> `edge-1`."""
     name = Path(path).name
-    return name[:-len(".key_secret")] if name.endswith(".key_secret") else Path(name).stem
+    return name[: -len(".key_secret")] if name.endswith(".key_secret") else Path(name).stem
 
 
 @dataclass
 class Credentials:
     """What a device presents: CURVE keys (server key + own key pair), or a token."""
+
     secret: bytes | None = None
     server: bytes | None = None
     token: str | None = None
-    name: str | None = None       # from the key file's name, when keys came from files
+    name: str | None = None  # from the key file's name, when keys came from files
 
     @property
     def curve(self) -> bool:
         return self.secret is not None
 
     @classmethod
-    def load(cls, key_file: str | None = None, server_key_file: str | None = None,
-             env: MutableMapping[str, str] | None = None) -> Credentials:
+    def load(
+        cls,
+        key_file: str | None = None,
+        server_key_file: str | None = None,
+        env: MutableMapping[str, str] | None = None,
+    ) -> Credentials:
         """From `--key`/`--server-key` files, else from the environment the emulator set
         (removed from it, so nothing this process starts inherits a secret)."""
         env = os.environ if env is None else env
         if key_file or server_key_file:
             if not (key_file and server_key_file):
-                raise KeyFileError("--key and --server-key go together: this device's NAME.key_secret "
-                                   "and the server's server.key")
+                raise KeyFileError(
+                    "--key and --server-key go together: this device's NAME.key_secret and the server's server.key"
+                )
             _, secret = read_key(key_file, secret=True)
             server, _ = read_key(server_key_file)
             return cls(secret=secret, server=server, name=key_name(key_file))
@@ -108,21 +120,30 @@ class Credentials:
         token = env.pop(ENV_TOKEN, None)
         if bool(env_secret) != bool(env_server):
             raise KeyFileError(f"{ENV_SECRET} and {ENV_SERVER} must both be set, or neither")
-        return cls(secret=env_secret.encode() if env_secret else None,
-                   server=env_server.encode() if env_server else None, token=token)
+        return cls(
+            secret=env_secret.encode() if env_secret else None,
+            server=env_server.encode() if env_server else None,
+            token=token,
+        )
 
     def secure(self, sock: zmq.Socket) -> None:
         """Make `sock` a CURVE client of the server whose public key we hold."""
         if self.secret is None or self.server is None:
-            raise KeyFileError("CURVE needs this device's key pair and the server's public key; "
-                               "a token-only device cannot secure its socket")
+            raise KeyFileError(
+                "CURVE needs this device's key pair and the server's public key; "
+                "a token-only device cannot secure its socket"
+            )
         sock.curve_secretkey = self.secret
         sock.curve_publickey = zmq.curve_public(self.secret)
         sock.curve_serverkey = self.server
 
 
-HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+)
 GIVE_UP_AFTER = 5  # failed handshakes in a row (a wrong server key never succeeds)
 
 
@@ -140,8 +161,11 @@ class HandshakeWatch:
         reverse); a wrong server key just fails again and again."""
         from zmq.utils.monitor import recv_monitor_message
 
-        hint = ("is --server-key the server's key, and does the server use CURVE?" if self.curve else
-                "the server probably requires CURVE: pass --key and --server-key (see `flt keys`)")
+        hint = (
+            "is --server-key the server's key, and does the server use CURVE?"
+            if self.curve
+            else "the server probably requires CURVE: pass --key and --server-key (see `flt keys`)"
+        )
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:

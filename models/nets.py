@@ -4,6 +4,7 @@ All models are BatchNorm-free on purpose: the trainer runs them with
 ``torch.func.functional_call`` under ``torch.func.vmap`` over stacked per-client
 parameters, and BatchNorm's running-stat buffers (in-place updates) break that.
 """
+
 from __future__ import annotations
 
 import torch

@@ -8,6 +8,7 @@ out-of-range value, so a bad scenario stops before anything starts.
 Lives in `models/`, the package the emulator, the server and the devices all share, so a
 strategy declaring its parameters does not import the scenario package.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -34,8 +35,8 @@ class Field:
     max: float | None = None
     choices: tuple | None = None
     nullable: bool = False
-    schema: dict | None = None        # a nested section
-    open_min: bool = False            # min is exclusive
+    schema: dict | None = None  # a nested section
+    open_min: bool = False  # min is exclusive
     rule: Callable[[Any], str | None] | None = None  # extra check: returns what was expected, or None
 
     def check(self, value: Any, where: str) -> Any:
@@ -77,8 +78,11 @@ def validate(data: dict, schema: dict[str, Field], where: str = "") -> dict:
             key = short(key) if not isinstance(key, str) else key[:80]
             hint = difflib.get_close_matches(key, list(schema), n=1)
             path = f"{where}.{key}" if where else key
-            raise ConfigError(f"{path}: unknown field" + (f" (did you mean '{hint[0]}'?)" if hint else "")
-                              + f"; known fields: {', '.join(schema)}")
+            raise ConfigError(
+                f"{path}: unknown field"
+                + (f" (did you mean '{hint[0]}'?)" if hint else "")
+                + f"; known fields: {', '.join(schema)}"
+            )
     for key, f in schema.items():
         path = f"{where}.{key}" if where else key
         if key in data:
@@ -100,6 +104,7 @@ def section(schema: dict[str, Field], help: str = "", optional: bool = False) ->
 @dataclass
 class MethodSpec:
     """A method entry of a scenario after validation: its name and its parameters."""
+
     name: str
     params: dict = field(default_factory=dict)
     label: str = ""

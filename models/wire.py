@@ -14,6 +14,7 @@ bytes: header size, JSON depth and every shape's rank, dimensions and element co
 bounded before any parsing or arithmetic) on a bad message, so a receiver can log it,
 count it and go on.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,32 +28,32 @@ from scenarios.errors import short as _short
 VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 1 << 30  # one message; a 2,400-client ASSIGN of indices is far below
-MAX_JSON_DEPTH = 32          # headers nest 4 deep (header, tensors, spec, shape); see _bracket_depth
-MAX_RANK = 8                 # the widest tensor that travels is 2-D (candidates x parameters)
-MAX_TENSORS = 16             # frames after the header (an ASSIGN has 5)
-MAX_INDEX = 1 << 31          # rounds and client ids
+MAX_JSON_DEPTH = 32  # headers nest 4 deep (header, tensors, spec, shape); see _bracket_depth
+MAX_RANK = 8  # the widest tensor that travels is 2-D (candidates x parameters)
+MAX_TENSORS = 16  # frames after the header (an ASSIGN has 5)
+MAX_INDEX = 1 << 31  # rounds and client ids
 _OPENERS = np.frombuffer(b"[{", dtype=np.uint8)
 _CLOSERS = np.frombuffer(b"]}", dtype=np.uint8)
 
 # kind -> the traffic class it is billed under in the byte counts
 KINDS = {
-    "hello": "control",       # device -> server: I am here, these are my capabilities
-    "assign": "control",      # server -> device: dataset spec and client shards (indices only)
-    "ready": "control",       # device -> server: shards loaded
-    "reset": "control",       # server -> device: forget per-method state
-    "train": "model",         # server -> client: model(s) to train
-    "update": "model",        # client -> server: trained model
-    "evaluate": "evaluation", # server -> client: model to evaluate on its test shard
+    "hello": "control",  # device -> server: I am here, these are my capabilities
+    "assign": "control",  # server -> device: dataset spec and client shards (indices only)
+    "ready": "control",  # device -> server: shards loaded
+    "reset": "control",  # server -> device: forget per-method state
+    "train": "model",  # server -> client: model(s) to train
+    "update": "model",  # client -> server: trained model
+    "evaluate": "evaluation",  # server -> client: model to evaluate on its test shard
     "metrics": "evaluation",  # client -> server: correct / total
-    "encoder": "encoder",     # server -> client: ONNX encoder (or autoencoder weights)
-    "centroids": "embedding", # client -> server: k x e centroids of its embeddings
-    "drift": "control",       # server -> device: change a client's data (emulated drift)
-    "error": "control",       # device -> server: a task failed, with the reason
-    "shutdown": "control",    # server -> device: exit
-    "snapshot": "control",    # server -> client: send what the device keeps for you (checkpoint)
-    "state": "control",       # client -> server and back on resume: Local's model, change flag
-    "task": "control",        # server -> client: a method's own device op, named in meta "op"
-    "result": "control",      # client -> server: that op's answer
+    "encoder": "encoder",  # server -> client: ONNX encoder (or autoencoder weights)
+    "centroids": "embedding",  # client -> server: k x e centroids of its embeddings
+    "drift": "control",  # server -> device: change a client's data (emulated drift)
+    "error": "control",  # device -> server: a task failed, with the reason
+    "shutdown": "control",  # server -> device: exit
+    "snapshot": "control",  # server -> client: send what the device keeps for you (checkpoint)
+    "state": "control",  # client -> server and back on resume: Local's model, change flag
+    "task": "control",  # server -> client: a method's own device op, named in meta "op"
+    "result": "control",  # client -> server: that op's answer
 }
 # a generic task or result is billed under its meta "traffic" (default control)
 GENERIC_KINDS = ("task", "result")
@@ -92,8 +93,15 @@ def encode(msg: Message) -> list:
             raise ProtocolError(f"tensor {name!r}: dtype {arr.dtype} cannot travel")
         specs.append({"name": name, "dtype": arr.dtype.name, "shape": list(arr.shape)})
         frames.append(arr.data.cast("B") if arr.size else b"")
-    header = {"v": VERSION, "kind": msg.kind, "run": msg.run, "round": int(msg.round),
-              "client": int(msg.client), "tensors": specs, "meta": msg.meta}
+    header = {
+        "v": VERSION,
+        "kind": msg.kind,
+        "run": msg.run,
+        "round": int(msg.round),
+        "client": int(msg.client),
+        "tensors": specs,
+        "meta": msg.meta,
+    }
     return [json.dumps(header, separators=(",", ":")).encode(), *frames]
 
 
@@ -115,12 +123,10 @@ def decode(frames: list) -> Message:
     for key in ("round", "client"):
         value = header.get(key)
         if not _is_int(value) or not -1 <= value < MAX_INDEX:
-            raise ProtocolError(f"header field {key!r} must be an integer in [-1, {MAX_INDEX}), "
-                                f"not {_short(value)}")
+            raise ProtocolError(f"header field {key!r} must be an integer in [-1, {MAX_INDEX}), not {_short(value)}")
     specs, meta, run = header.get("tensors"), header.get("meta", {}), header.get("run", "")
     if not isinstance(specs, list) or not isinstance(meta, dict) or not isinstance(run, str):
-        raise ProtocolError("header fields 'tensors' (list), 'meta' (object) and 'run' (string) "
-                            "have the wrong type")
+        raise ProtocolError("header fields 'tensors' (list), 'meta' (object) and 'run' (string) have the wrong type")
     if len(specs) != len(frames) - 1:
         raise ProtocolError(f"header lists {len(specs)} tensors but {len(frames) - 1} frames came")
     tensors, total = {}, raw_len
@@ -132,8 +138,7 @@ def decode(frames: list) -> Message:
         if total > MAX_MESSAGE_BYTES:
             raise ProtocolError(f"message exceeds the {MAX_MESSAGE_BYTES}-byte cap")
         tensors[name] = arr
-    return Message(kind=kind, round=header["round"], client=header["client"],
-                   tensors=tensors, meta=meta, run=run)
+    return Message(kind=kind, round=header["round"], client=header["client"], tensors=tensors, meta=meta, run=run)
 
 
 def _check_generic(kind: str, meta) -> None:
@@ -144,8 +149,10 @@ def _check_generic(kind: str, meta) -> None:
     if not isinstance(op, str) or not 0 < len(op) <= 40:
         raise ProtocolError(f"a {kind} needs meta 'op', a string of 1 to 40 characters, not {_short(op)}")
     if meta.get("traffic", "control") not in TRAFFIC_CLASSES:
-        raise ProtocolError(f"{kind} {op!r}: meta 'traffic' must be one of {', '.join(TRAFFIC_CLASSES)}, "
-                            f"not {_short(meta.get('traffic'))}")
+        raise ProtocolError(
+            f"{kind} {op!r}: meta 'traffic' must be one of {', '.join(TRAFFIC_CLASSES)}, "
+            f"not {_short(meta.get('traffic'))}"
+        )
 
 
 def _header(frame) -> tuple[dict, int]:
@@ -186,8 +193,7 @@ def _tensor(spec, frame) -> tuple[str, np.ndarray]:
     buf = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
     expected = count * np.dtype(dtype).itemsize
     if buf.nbytes != expected:
-        raise ProtocolError(f"tensor {name!r}: {buf.nbytes} bytes for shape {shape} {dtype} "
-                            f"(expected {expected})")
+        raise ProtocolError(f"tensor {name!r}: {buf.nbytes} bytes for shape {shape} {dtype} (expected {expected})")
     return name, np.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
@@ -195,16 +201,16 @@ def _element_count(name: str, shape) -> int:
     """Elements of `shape`, checked (rank, each dimension, the product) in Python integers,
     so no shape can overflow numpy's int64 or exceed its rank limit."""
     if not isinstance(shape, list) or len(shape) > MAX_RANK:
-        raise ProtocolError(f"tensor {name!r}: shape must be a list of at most {MAX_RANK} "
-                            f"dimensions, not {_short(shape)}")
+        raise ProtocolError(
+            f"tensor {name!r}: shape must be a list of at most {MAX_RANK} dimensions, not {_short(shape)}"
+        )
     count = 1
     for d in shape:
         if not _is_int(d) or not 0 <= d <= MAX_MESSAGE_BYTES:
             raise ProtocolError(f"tensor {name!r}: bad shape {_short(shape)}")
         count *= d
         if count > MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"tensor {name!r}: shape {_short(shape)} exceeds the "
-                                f"{MAX_MESSAGE_BYTES}-byte cap")
+            raise ProtocolError(f"tensor {name!r}: shape {_short(shape)} exceeds the {MAX_MESSAGE_BYTES}-byte cap")
     return count
 
 

@@ -37,6 +37,7 @@ renamed, so several device processes may load the same dataset at once.
 :func:`load_shared` maps a split read-only from an uncompressed ``.npy`` cache named by
 its content, so the device processes of one host share a single copy of its pages.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -184,8 +185,7 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     count = int(np.prod(dims, dtype=np.int64))
     if len(raw) != header + count * dtype.itemsize:
         raise DataError(
-            f"{path}: IDX header says {dims} x {dtype.itemsize} bytes but the file holds "
-            f"{len(raw) - header} data bytes"
+            f"{path}: IDX header says {dims} x {dtype.itemsize} bytes but the file holds {len(raw) - header} data bytes"
         )
     arr = np.frombuffer(raw, dtype=dtype, count=count, offset=header).reshape(dims)
     return arr.astype(dtype.newbyteorder("="), copy=True)  # native order, writable
@@ -231,9 +231,7 @@ def _load_digits(train: bool) -> Dataset:
 
     d = load_digits()
     y = d.target.astype(np.int64)
-    idx_tr, idx_te = train_test_split(
-        np.arange(len(y)), test_size=0.25, random_state=0, stratify=y
-    )
+    idx_tr, idx_te = train_test_split(np.arange(len(y)), test_size=0.25, random_state=0, stratify=y)
     idx = np.sort(idx_tr if train else idx_te)  # keep the original sample order
     img = torch.from_numpy(d.images[idx].astype(np.float32))[:, None]  # [N,1,8,8], 0..16
     up = F.interpolate(img, size=(28, 28), mode="bilinear", align_corners=False)
@@ -320,9 +318,7 @@ def _load_emnist(split: str, root: Path | None, train: bool, download: bool) -> 
     if split == "letters":
         ds.y = ds.y - 1  # letters are labelled 1..26
     if len(ds.y) and (ds.y.min() < 0 or ds.y.max() >= ds.num_classes):
-        raise DataError(
-            f"dataset '{name}': labels span {ds.y.min()}..{ds.y.max()}, expected 0..{ds.num_classes - 1}"
-        )
+        raise DataError(f"dataset '{name}': labels span {ds.y.min()}..{ds.y.max()}, expected 0..{ds.num_classes - 1}")
     return ds
 
 
@@ -352,12 +348,12 @@ class _RestrictedUnpickler(pickle.Unpickler):
         if (module, name) not in self._ALLOWED:
             raise pickle.UnpicklingError(f"forbidden global in pickle: {module}.{name}")
         if module.startswith("numpy.core."):
-            module = "numpy._core." + module[len("numpy.core."):]  # numpy>=2 location
+            module = "numpy._core." + module[len("numpy.core.") :]  # numpy>=2 location
         if module.startswith("numpy._core."):
             try:
                 __import__(module)
             except ImportError:  # numpy 1.x
-                module = "numpy.core." + module[len("numpy._core."):]
+                module = "numpy.core." + module[len("numpy._core.") :]
         return super().find_class(module, name)
 
 
@@ -463,8 +459,9 @@ def _tar_members(tar_path: Path) -> dict[str, list[tuple[str, str, str, bytes]]]
             if m.isdir():
                 continue
             if not m.isfile():
-                raise DataError(f"{tar_path}: refusing non-regular member {m.name!r} "
-                                "(links and devices are not allowed)")
+                raise DataError(
+                    f"{tar_path}: refusing non-regular member {m.name!r} (links and devices are not allowed)"
+                )
             hit = _split_member(name)
             if hit is not None:
                 prefix, split, cls, fname = hit
@@ -493,7 +490,8 @@ def _is_image_tree(d: Path) -> bool:
 
 def _holds_class_images(split: Path) -> bool:
     return split.is_dir() and any(
-        c.is_dir() and any(f.name.lower().endswith(_IMG_EXT) for f in c.iterdir()) for c in split.iterdir())
+        c.is_dir() and any(f.name.lower().endswith(_IMG_EXT) for f in c.iterdir()) for c in split.iterdir()
+    )
 
 
 def _image_sources(d: Path) -> list[Path]:
@@ -515,16 +513,22 @@ def _find_image_folder(name: str, root: Path, download: bool) -> Path:
     if len(found) == 1:
         return found[0]
     if found:
-        raise DataError(f"dataset '{name}': several image folders under {root}: "
-                        f"{', '.join(str(p) for p in found)}; set the root to one of them")
+        raise DataError(
+            f"dataset '{name}': several image folders under {root}: "
+            f"{', '.join(str(p) for p in found)}; set the root to one of them"
+        )
     # the usual mistake: a folder of datasets, one of which has train/ and test/ of other files
     misses = [str(d) for d in [root, *subdirs] if (d / "train").is_dir() and (d / "test").is_dir()]
-    seen = (f"; train/ and test/ without class folders of images in {', '.join(misses)}" if misses
-            else f"; it holds {', '.join(p.name for p in sorted(root.iterdir())[:10]) or 'nothing'}")
+    seen = (
+        f"; train/ and test/ without class folders of images in {', '.join(misses)}"
+        if misses
+        else f"; it holds {', '.join(p.name for p in sorted(root.iterdir())[:10]) or 'nothing'}"
+    )
     raise DataError(
         f"dataset '{name}': no image folder under {root} (looked in it and its sub-folders for "
         f"train/<class>/ and test/<class>/ holding images, or a .tar.gz of such a tree){seen}"
-        + (" (no download is available for it)" if download else ""))
+        + (" (no download is available for it)" if download else "")
+    )
 
 
 def _decode_images(items: list[tuple[str, bytes]]) -> np.ndarray:
@@ -547,7 +551,7 @@ def _decode_images(items: list[tuple[str, bytes]]) -> np.ndarray:
             from torchvision.io import ImageReadMode, decode_jpeg
 
             for s in range(0, len(jpg), 4096):
-                chunk = jpg[s:s + 4096]
+                chunk = jpg[s : s + 4096]
                 dec = decode_jpeg(
                     [torch.frombuffer(bytearray(items[i][1]), dtype=torch.uint8) for i in chunk],
                     mode=ImageReadMode.RGB,
@@ -603,9 +607,7 @@ def _load_imagefolder(name: str, root: Path | None, train: bool, download: bool)
     with np.load(npz, allow_pickle=False) as z:
         part = "train" if train else "test"
         classes = [str(c) for c in z["classes"]]
-        return Dataset(
-            x=z[f"x_{part}"], y=z[f"y_{part}"], num_classes=len(classes), name=name, classes=classes
-        )
+        return Dataset(x=z[f"x_{part}"], y=z[f"y_{part}"], num_classes=len(classes), name=name, classes=classes)
 
 
 # ----------------------------------------------------------------------------- FEMNIST
@@ -674,8 +676,11 @@ def _leaf_json(path: Path) -> dict:
     except (ValueError, UnicodeDecodeError) as exc:
         raise DataError(f"{path}: not LEAF JSON ({type(exc).__name__}: {short(str(exc))})") from None
     users = d.get("users") if isinstance(d, dict) else None
-    if not isinstance(users, list) or not isinstance(d.get("user_data"), dict) \
-            or any(u not in d["user_data"] for u in users):
+    if (
+        not isinstance(users, list)
+        or not isinstance(d.get("user_data"), dict)
+        or any(u not in d["user_data"] for u in users)
+    ):
         raise DataError(f"{path}: not LEAF JSON (expected 'users' and 'user_data' for each of them)")
     return d
 
@@ -706,8 +711,10 @@ def load_dataset(name: str, root: str | os.PathLike | None, train: bool, downloa
     if ds is None:
         raise DataError(f"dataset '{name}': unknown (supported: {', '.join(DATASETS)})")
     if len(ds) == 0 or ds.num_classes == 0:  # a partition of nothing would fail far from the cause
-        raise DataError(f"dataset '{name}' (root {r}): the {'train' if train else 'test'} split holds "
-                        f"{len(ds)} images of {ds.num_classes} classes")
+        raise DataError(
+            f"dataset '{name}' (root {r}): the {'train' if train else 'test'} split holds "
+            f"{len(ds)} images of {ds.num_classes} classes"
+        )
     return ds
 
 
@@ -730,8 +737,9 @@ def load_shared(name: str, root: str | os.PathLike | None, train: bool, download
     try:
         x, y = (_mapped(folder / f"{stem}.{part}.npy", arr) for part, arr in (("x", ds.x), ("y", ds.y)))
     except OSError as exc:
-        warnings.warn(f"dataset '{name}': no shared cache in {folder} ({exc}); this process keeps "
-                      "its own copy", stacklevel=2)
+        warnings.warn(
+            f"dataset '{name}': no shared cache in {folder} ({exc}); this process keeps its own copy", stacklevel=2
+        )
         return ds
     return replace(ds, x=x, y=y)
 
@@ -762,4 +770,3 @@ def _load_split(base: str, split: str, r: Path | None, train: bool, download: bo
     if base == "femnist":
         return _load_femnist(r, train, download)
     return None
-

@@ -5,6 +5,7 @@ problem in their environment; the CLI prints it as one line (`error: ...`) and e
 with its `exit_code`. Every other exception is a bug and keeps its traceback (exit 1).
 Lives in `scenarios/` because the emulator, the server and the devices all import it.
 """
+
 from __future__ import annotations
 
 # Longest slice of a user's value that an error message repeats: a YAML alias bomb
@@ -29,7 +30,7 @@ def short(value, limit: int = ECHO_CHARS) -> str:
     """repr(value), cut to `limit` characters without building the whole repr of a huge
     container (an alias bomb's repr would take gigabytes)."""
     text = _bounded_repr(value, limit + 1)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _bounded_repr(value, budget: int) -> str:

@@ -18,6 +18,7 @@ a test shard capped). Shared rules:
 * ``exclude`` (boolean mask over the train split, or an index array) removes samples
   from every client, e.g. a public set held out for encoder pretraining.
 """
+
 from __future__ import annotations
 
 import os
@@ -71,8 +72,7 @@ class Partition:
         if len(self.test) != n or len(self.cluster) != n or (self.groups is not None and len(self.groups) != n):
             raise PartitionError(
                 f"inconsistent partition: {n} train shards, {len(self.test)} test shards, "
-                f"{len(self.cluster)} cluster labels"
-                + ("" if self.groups is None else f", {len(self.groups)} groups")
+                f"{len(self.cluster)} cluster labels" + ("" if self.groups is None else f", {len(self.groups)} groups")
             )
 
     @property
@@ -137,14 +137,15 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray:
 
 
 def _split(flat: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
-    return [flat[offsets[i]:offsets[i + 1]].copy() for i in range(len(offsets) - 1)]
+    return [flat[offsets[i] : offsets[i + 1]].copy() for i in range(len(offsets) - 1)]
 
 
 # ----------------------------------------------------------------------------- class layouts
 
 
-def cluster_classes(n_clusters: int, classes_per_cluster: int, num_classes: int,
-                    shared_classes: int) -> list[list[int]]:
+def cluster_classes(
+    n_clusters: int, classes_per_cluster: int, num_classes: int, shared_classes: int
+) -> list[list[int]]:
     """Classes of each cluster: cluster c holds ``(c*step + j) % num_classes`` for
     ``j < classes_per_cluster``, with ``step = classes_per_cluster - shared_classes``.
 
@@ -154,13 +155,16 @@ def cluster_classes(n_clusters: int, classes_per_cluster: int, num_classes: int,
     """
     k = classes_per_cluster
     if n_clusters < 1 or k < 1 or num_classes < 1:
-        raise PartitionError("need n_clusters, classes_per_cluster, num_classes >= 1 "
-                             f"(got {n_clusters}, {k}, {num_classes})")
+        raise PartitionError(
+            f"need n_clusters, classes_per_cluster, num_classes >= 1 (got {n_clusters}, {k}, {num_classes})"
+        )
     if shared_classes >= k:
         raise PartitionError(f"shared_classes={shared_classes} must be < classes_per_cluster={k}")
     if k > num_classes:  # before building any list: a huge k must not allocate
-        raise PartitionError(f"partition.classes_per_cluster: {k} classes per cluster would repeat a "
-                             f"class; the dataset has {num_classes}")
+        raise PartitionError(
+            f"partition.classes_per_cluster: {k} classes per cluster would repeat a "
+            f"class; the dataset has {num_classes}"
+        )
     step = k - shared_classes
     out = [[(c * step + j) % num_classes for j in range(k)] for c in range(n_clusters)]
     for c, cls in enumerate(out):
@@ -263,8 +267,9 @@ def _take(y: np.ndarray, need: np.ndarray, rng: np.random.Generator, mask_out: n
     return owners, idx, given, notes
 
 
-def _assemble(owners: list[np.ndarray], idx: list[np.ndarray], n_clients: int,
-              rng: np.random.Generator) -> list[np.ndarray]:
+def _assemble(
+    owners: list[np.ndarray], idx: list[np.ndarray], n_clients: int, rng: np.random.Generator
+) -> list[np.ndarray]:
     """Group (owner, index) pairs into one array per client, in random order inside it."""
     if not owners:
         return [np.zeros(0, np.int64) for _ in range(n_clients)]
@@ -312,19 +317,25 @@ def _check_counts(n_clients: int, n_clusters: int | None = None) -> None:
         raise PartitionError(f"need 1 <= n_clusters <= n_clients (got {n_clusters} clusters, {n_clients} clients)")
 
 
-def _check_sizes(n_clients: int, n_avail: int, n_test: int, test_per_client: int,
-                 samples_per_client: int | None = None) -> None:
+def _check_sizes(
+    n_clients: int, n_avail: int, n_test: int, test_per_client: int, samples_per_client: int | None = None
+) -> None:
     """Refuse what the data cannot give before anything is allocated per client: more
     clients than training samples, or one client's shard larger than a whole split."""
     if n_clients > n_avail:
-        raise PartitionError(f"partition.clients: {n_clients} clients, but the train split has only "
-                             f"{n_avail} samples for clients (each client needs at least one)")
+        raise PartitionError(
+            f"partition.clients: {n_clients} clients, but the train split has only "
+            f"{n_avail} samples for clients (each client needs at least one)"
+        )
     if samples_per_client is not None and samples_per_client > n_avail:
-        raise PartitionError(f"partition.samples_per_client: {samples_per_client} per client, but the "
-                             f"train split has only {n_avail} samples for clients")
+        raise PartitionError(
+            f"partition.samples_per_client: {samples_per_client} per client, but the "
+            f"train split has only {n_avail} samples for clients"
+        )
     if test_per_client > n_test:
-        raise PartitionError(f"partition.test_per_client: {test_per_client} per client, but the test "
-                             f"split has only {n_test} samples")
+        raise PartitionError(
+            f"partition.test_per_client: {test_per_client} per client, but the test split has only {n_test} samples"
+        )
 
 
 def _cluster_of(n_clients: int, n_clusters: int) -> np.ndarray:
@@ -445,9 +456,7 @@ def partition_dirichlet(
         need = need + rng.multinomial(deficit, q / q.sum(1, keepdims=True))
     notes = []
     if redrawn:
-        notes.append(
-            f"dirichlet: classes ran short; {redrawn} client-samples were redrawn from classes with room"
-        )
+        notes.append(f"dirichlet: classes ran short; {redrawn} client-samples were redrawn from classes with room")
     owners, idx, given, short = _take(y_train, need, rng, mask, "training")
     assert not short, short  # the loop above leaves no class oversubscribed
     train = _assemble(owners, idx, n_clients, rng)
@@ -587,6 +596,4 @@ def partition_groups(groups_train, groups_test, *, n_clients: int | None = None,
         hi = np.searchsorted(g[srt], chosen, side="right")
         return [srt[a:b].astype(np.int64) for a, b in zip(lo, hi, strict=True)]
 
-    return Partition(
-        train=shards(g_tr), test=shards(g_te), cluster=np.full(len(chosen), -1), notes=[], groups=chosen
-    )
+    return Partition(train=shards(g_tr), test=shards(g_te), cluster=np.full(len(chosen), -1), notes=[], groups=chosen)

@@ -13,6 +13,7 @@ Either way a name already held by another connection is refused, and devices tha
 not enrolled (started by hand) get only `devices.external` seats. Refusals are counted
 by reason and reported in summary.json.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -56,15 +57,19 @@ def security_problem(bind: str, security: str, keys_dir: str | None, external: i
     """Why these devices.* settings are unsafe or incomplete (checked before anything
     starts), or None."""
     if security == "none" and not is_loopback(bind):
-        return (f"devices.security: none on {bind}, which is not loopback: anyone who reaches the "
-                "port could join; leave it at auto (CURVE)")
+        return (
+            f"devices.security: none on {bind}, which is not loopback: anyone who reaches the "
+            "port could join; leave it at auto (CURVE)"
+        )
     if not uses_curve(bind, security):
         return None
     if keys_dir and not (Path(keys_dir).expanduser() / f"{keys.SERVER}.key_secret").is_file():
         return f"devices.keys: no {keys.SERVER}.key_secret in {keys_dir} (make keys with `flt keys {keys_dir}`)"
     if external and not keys_dir:
-        return (f"devices.keys: {external} external device(s) over CURVE need keys: make them with "
-                "`flt keys DIR --devices N` and set devices.keys: DIR")
+        return (
+            f"devices.keys: {external} external device(s) over CURVE need keys: make them with "
+            "`flt keys DIR --devices N` and set devices.keys: DIR"
+        )
     return None
 
 
@@ -84,14 +89,19 @@ class Gate:
     """One server socket's admission policy: CURVE keys or tokens, names, seats, counts.
     `seats`: how many devices the emulator did not start may join (None: any)."""
 
-    def __init__(self, curve: bool, server_secret: bytes | None = None,
-                 allowed: dict[bytes, str] | None = None, seats: int | None = None):
+    def __init__(
+        self,
+        curve: bool,
+        server_secret: bytes | None = None,
+        allowed: dict[bytes, str] | None = None,
+        seats: int | None = None,
+    ):
         self.curve = curve
         self.frame_overhead = CURVE_FRAME_OVERHEAD if curve else 0
         self.allowed: dict[bytes, str] = dict(allowed or {})  # z85 public key -> device name
-        self.tokens: dict[str, str] = {}                       # local device -> token (no CURVE)
-        self.enrolled: set[str] = set()                        # names the emulator started
-        self.seats = seats                                     # devices started by hand still welcome
+        self.tokens: dict[str, str] = {}  # local device -> token (no CURVE)
+        self.enrolled: set[str] = set()  # names the emulator started
+        self.seats = seats  # devices started by hand still welcome
         self.refusals: Counter = Counter()
         self.denied_keys = 0
         self.failed_handshakes = 0
@@ -109,8 +119,7 @@ class Gate:
     def from_dir(cls, directory: Path, seats: int | None = None) -> Gate:
         """DIR made by `flt keys`: server.key_secret, plus one NAME.key per allowed device."""
         _, secret = keys.read_key(directory / f"{keys.SERVER}.key_secret", secret=True)
-        allowed = {keys.read_key(p)[0]: p.stem for p in sorted(directory.glob("*.key"))
-                   if p.stem != keys.SERVER}
+        allowed = {keys.read_key(p)[0]: p.stem for p in sorted(directory.glob("*.key")) if p.stem != keys.SERVER}
         log.info("CURVE: %d device key(s) allowed from %s", len(allowed), directory)
         return cls(curve=True, server_secret=secret, allowed=allowed, seats=seats)
 
@@ -122,10 +131,8 @@ class Gate:
         sock.curve_server = True
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.public
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-        self._watcher = threading.Thread(target=self._watch, args=(monitor,), daemon=True,
-                                         name="flt-handshakes")
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        self._watcher = threading.Thread(target=self._watch, args=(monitor,), daemon=True, name="flt-handshakes")
         self._watcher.start()
 
     def _watch(self, monitor: zmq.Socket) -> None:
@@ -136,8 +143,11 @@ class Gate:
                 if monitor.poll(100):
                     event = recv_monitor_message(monitor)["event"]
                     self.failed_handshakes += 1
-                    _rate_limited(self.failed_handshakes, "CURVE handshake failed (event %d): a client "
-                                  "without CURVE or with a wrong server key", event)
+                    _rate_limited(
+                        self.failed_handshakes,
+                        "CURVE handshake failed (event %d): a client without CURVE or with a wrong server key",
+                        event,
+                    )
         finally:
             monitor.close(linger=0)
 
@@ -146,8 +156,11 @@ class Gate:
         if key in self.allowed:
             return True
         self.denied_keys += 1
-        _rate_limited(self.denied_keys, "refused a connection with a key not on the allowlist (%s...)",
-                      key[:8].decode(errors="replace"))
+        _rate_limited(
+            self.denied_keys,
+            "refused a connection with a key not on the allowlist (%s...)",
+            key[:8].decode(errors="replace"),
+        )
         return False
 
     # -- devices --------------------------------------------------------------------
@@ -155,8 +168,9 @@ class Gate:
         """Credentials for a local device process, as environment variables: a fresh key pair
         (CURVE) or a token. Only the process given them can take this name."""
         if name in self.allowed.values():
-            raise FltError(f"devices.keys: a key file is named {name!r}, the name of a local device "
-                           "process; rename the key file")
+            raise FltError(
+                f"devices.keys: a key file is named {name!r}, the name of a local device process; rename the key file"
+            )
         self.enrolled.add(name)
         if not self.curve:
             self.tokens[name] = secrets.token_hex(16)
@@ -196,8 +210,12 @@ class Gate:
         return name
 
     def report(self) -> dict:
-        return {"mechanism": "curve" if self.curve else "none", "denied_keys": self.denied_keys,
-                "failed_handshakes": self.failed_handshakes, "refused_hellos": dict(self.refusals)}
+        return {
+            "mechanism": "curve" if self.curve else "none",
+            "denied_keys": self.denied_keys,
+            "failed_handshakes": self.failed_handshakes,
+            "refused_hellos": dict(self.refusals),
+        }
 
     def close(self, sock: zmq.Socket) -> None:
         """Close the server socket, stop the ZAP handler and the watcher, end our context."""

@@ -9,6 +9,7 @@ a strategy that grows an attribute of a foreign type fails loudly at its first
 checkpoint instead of resuming wrong. Loading imports only this project's classes and
 never unpickles.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -52,8 +53,9 @@ def pack(value, arrays: dict, where: str):
     if isinstance(value, (set, frozenset)):
         return {"$set": [pack(v, arrays, f"{where}{{}}") for v in value]}
     if isinstance(value, dict):
-        return {"$dict": [[pack(k, arrays, f"{where} key"), pack(v, arrays, f"{where}[{k!r}]")]
-                          for k, v in value.items()]}
+        return {
+            "$dict": [[pack(k, arrays, f"{where} key"), pack(v, arrays, f"{where}[{k!r}]")] for k, v in value.items()]
+        }
     if isinstance(value, (np.ndarray, np.generic)):
         return {"$array" if isinstance(value, np.ndarray) else "$scalar": _store(arrays, np.asarray(value))}
     if isinstance(value, torch.Tensor):
@@ -69,8 +71,10 @@ def pack(value, arrays: dict, where: str):
     if type(value).__module__.split(".")[0] in PROJECT_PACKAGES and hasattr(value, "__dict__"):
         cls = type(value)
         return {"$object": f"{cls.__module__}:{cls.__qualname__}", "vars": pack(vars(value), arrays, where)}
-    raise CheckpointError(f"{where}: a {type(value).__module__}.{type(value).__qualname__} cannot be "
-                          f"checkpointed (store it as arrays or plain values)")
+    raise CheckpointError(
+        f"{where}: a {type(value).__module__}.{type(value).__qualname__} cannot be "
+        f"checkpointed (store it as arrays or plain values)"
+    )
 
 
 def _store(arrays: dict, arr: np.ndarray) -> str:
@@ -138,8 +142,11 @@ def restore_vars(obj, state: dict) -> None:
     (frozen dataclasses included: the saved values are the object's own)."""
     for name, value in state.items():
         current = getattr(obj, name, None)
-        if type(current) is type(value) and type(value).__module__.split(".")[0] in PROJECT_PACKAGES \
-                and hasattr(value, "__dict__"):
+        if (
+            type(current) is type(value)
+            and type(value).__module__.split(".")[0] in PROJECT_PACKAGES
+            and hasattr(value, "__dict__")
+        ):
             restore_vars(current, vars(value))
         elif isinstance(current, dict) and isinstance(value, dict):
             current.clear()

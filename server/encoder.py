@@ -6,6 +6,7 @@ training images: either the scenario's own held-out public split
 Trained weights are cached under a key made of everything that determines them: the
 exact image bytes, the architecture and every training hyperparameter.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,17 +29,20 @@ def public_images(source: dict, scenario: dict, public_idx: np.ndarray | None) -
     data = scenario["data"]
     if source["dataset"] == "public":
         if public_idx is None or len(public_idx) == 0:
-            raise ConfigError("encoder.dataset: 'public' needs partition.public_fraction > 0 "
-                             "(a held-out slice of the train split no client receives)")
+            raise ConfigError(
+                "encoder.dataset: 'public' needs partition.public_fraction > 0 "
+                "(a held-out slice of the train split no client receives)"
+            )
         return load_dataset(data["dataset"], data["root"], train=True).x[public_idx]
     if source["dataset"] == data["dataset"]:
-        raise ConfigError(f"encoder.dataset: {source['dataset']!r} is the clients' own dataset; "
-                         "use 'public' (the held-out slice) so no client training image is seen")
+        raise ConfigError(
+            f"encoder.dataset: {source['dataset']!r} is the clients' own dataset; "
+            "use 'public' (the held-out slice) so no client training image is seen"
+        )
     root = source.get("root") or data["root"]
     images = load_dataset(source["dataset"], root, train=True).x
     # the clients embed their own images: the encoder must take their shape (test split: smaller)
-    return fit_shape(images, load_dataset(data["dataset"], data["root"], train=False).x.shape[1:],
-                     source["dataset"])
+    return fit_shape(images, load_dataset(data["dataset"], data["root"], train=False).x.shape[1:], source["dataset"])
 
 
 def fit_shape(images: np.ndarray, shape: tuple, name: str) -> np.ndarray:
@@ -49,21 +53,28 @@ def fit_shape(images: np.ndarray, shape: tuple, name: str) -> np.ndarray:
     if tuple(images.shape[1:]) == (c, h, w):
         return images
     if images.shape[1] not in (1, c) and c != 1:
-        raise ConfigError(f"encoder.dataset: {name!r} has {images.shape[1]}-channel images; the "
-                          f"clients' have {c} (only grey <-> colour can be converted)")
+        raise ConfigError(
+            f"encoder.dataset: {name!r} has {images.shape[1]}-channel images; the "
+            f"clients' have {c} (only grey <-> colour can be converted)"
+        )
     x = torch.from_numpy(images).float()
     x = x.mean(1, keepdim=True) if c == 1 else x.expand(-1, c, -1, -1)
     if x.shape[2:] != (h, w):
-        x = torch.cat([torch.nn.functional.interpolate(x[i:i + 4096], size=(h, w), mode="bilinear",
-                       antialias=True, align_corners=False) for i in range(0, len(x), 4096)])
+        x = torch.cat(
+            [
+                torch.nn.functional.interpolate(
+                    x[i : i + 4096], size=(h, w), mode="bilinear", antialias=True, align_corners=False
+                )
+                for i in range(0, len(x), 4096)
+            ]
+        )
     return x.round().clamp(0, 255).to(torch.uint8).numpy()
 
 
 def cache_key(images: np.ndarray, settings: dict) -> str:
     h = hashlib.sha256()
     h.update(np.ascontiguousarray(images).tobytes())
-    h.update(json.dumps({**settings, "shape": list(images.shape), "arch": "ConvAE-v2"},
-                        sort_keys=True).encode())
+    h.update(json.dumps({**settings, "shape": list(images.shape), "arch": "ConvAE-v2"}, sort_keys=True).encode())
     return h.hexdigest()[:24]
 
 
@@ -71,8 +82,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FLT_CACHE", Path.home() / ".cache" / "flt")) / "encoders"
 
 
-def pretrained_autoencoder(images: np.ndarray, settings: dict, device: torch.device,
-                           progress=None) -> tuple[ConvAE, dict]:
+def pretrained_autoencoder(
+    images: np.ndarray, settings: dict, device: torch.device, progress=None
+) -> tuple[ConvAE, dict]:
     """Load from cache or pretrain; returns the model (eval mode, CPU) and a report."""
     key = cache_key(images, settings)
     path = cache_dir() / f"convae-{key}.pt"
@@ -92,8 +104,7 @@ def pretrained_autoencoder(images: np.ndarray, settings: dict, device: torch.dev
     torch.save(ae.state_dict(), tmp)
     facts.write_text(json.dumps({"final_mse": loss}))
     tmp.replace(path)
-    return ae.eval(), {"cache": str(path), "cached": False, "seconds": time.perf_counter() - tic,
-                       "final_mse": loss}
+    return ae.eval(), {"cache": str(path), "cached": False, "seconds": time.perf_counter() - tic, "final_mse": loss}
 
 
 def pretrain(ae: ConvAE, images: np.ndarray, s: dict, device: torch.device, progress=None) -> float:
@@ -108,14 +119,19 @@ def pretrain(ae: ConvAE, images: np.ndarray, s: dict, device: torch.device, prog
         order = torch.randperm(len(x), generator=gen).to(device)
         total = 0.0
         for lo in range(0, len(x), s["batch_size"]):
-            batch = x[order[lo:lo + s["batch_size"]]].float() / 255
+            batch = x[order[lo : lo + s["batch_size"]]].float() / 255
             batch_loss = torch.nn.functional.mse_loss(ae(batch), batch)
             opt.zero_grad()
             batch_loss.backward()
             opt.step()
             loss = float(batch_loss.detach())
             total += loss * len(batch)
-        step(progress, epoch + 1, s["epochs"],
-             f"  encoder pretraining epoch {epoch + 1}/{s['epochs']}: mse {total / len(x):.4f}", "epoch")
+        step(
+            progress,
+            epoch + 1,
+            s["epochs"],
+            f"  encoder pretraining epoch {epoch + 1}/{s['epochs']}: mse {total / len(x):.4f}",
+            "epoch",
+        )
     ae.cpu().eval()
     return loss

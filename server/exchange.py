@@ -4,6 +4,7 @@
 it hands back is an `Exchange`. This module holds only the types, so strategies can name
 them without importing the round loop.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -24,8 +25,15 @@ class ExchangeClock(Protocol):
     """What prices an exchange: the emulator's population (device profiles, deadline,
     stragglers). Returns the clients whose replies count and the clock's report."""
 
-    def price(self, kind: str, clients: np.ndarray, bytes_down: np.ndarray, bytes_up: np.ndarray,
-              forward_samples: np.ndarray, trained_samples: np.ndarray) -> tuple[np.ndarray, dict]: ...
+    def price(
+        self,
+        kind: str,
+        clients: np.ndarray,
+        bytes_down: np.ndarray,
+        bytes_up: np.ndarray,
+        forward_samples: np.ndarray,
+        trained_samples: np.ndarray,
+    ) -> tuple[np.ndarray, dict]: ...
 
 
 @dataclass

@@ -19,6 +19,7 @@ set     (the default: no threshold, no per-dataset knob)
 Clients may send different numbers of centroids (k: auto); padding is masked, never
 counted. Everything is vectorized (torch.cdist in row chunks): 2,400 clients take seconds.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ CHOOSERS = ("silhouette", "gap")
 @dataclass(frozen=True)
 class Relatedness:
     """One FCR pipeline. gamma None: no threshold (the graph comes from the clusters)."""
+
     space: str = "embedding"
     distance: str = "chamfer"
     linkage: str = "average"
@@ -49,8 +51,12 @@ class Relatedness:
     silhouette_slack: float = 0.02
 
     def __post_init__(self):
-        for name, value, allowed in (("space", self.space, SPACES), ("distance", self.distance, DISTANCES),
-                                     ("linkage", self.linkage, LINKAGES), ("choose", self.choose, CHOOSERS)):
+        for name, value, allowed in (
+            ("space", self.space, SPACES),
+            ("distance", self.distance, DISTANCES),
+            ("linkage", self.linkage, LINKAGES),
+            ("choose", self.choose, CHOOSERS),
+        ):
             if value not in allowed:
                 raise ValueError(f"{name}: {value!r} is not one of {', '.join(allowed)}")
 
@@ -63,23 +69,30 @@ PRESETS = {
 
 @dataclass
 class Clustering:
-    labels: np.ndarray        # [M] 0..C-1, in order of first appearance
-    distance: np.ndarray      # [M, M] A
-    graph: np.ndarray         # [M, M] A~ (0/1, self-loops)
-    linkage: np.ndarray       # scipy linkage matrix
+    labels: np.ndarray  # [M] 0..C-1, in order of first appearance
+    distance: np.ndarray  # [M, M] A
+    graph: np.ndarray  # [M, M] A~ (0/1, self-loops)
+    linkage: np.ndarray  # scipy linkage matrix
     n_clusters: int
     silhouette: float | None  # of the chosen cut on A (None for C = 1)
 
 
-def umap_project(centroids: list[np.ndarray], n_components=2, n_neighbors=15, min_dist=0.1,
-                 metric="euclidean", seed=0) -> list[np.ndarray]:
+def umap_project(
+    centroids: list[np.ndarray], n_components=2, n_neighbors=15, min_dist=0.1, metric="euclidean", seed=0
+) -> list[np.ndarray]:
     """Seeded UMAP over all clients' centroids together; returns each client's points."""
     import umap  # imported here: numba compilation is paid only by pipelines that use it
 
     points = np.concatenate(centroids).astype(np.float32)
     n_neighbors = max(2, min(n_neighbors, len(points) - 1))
-    reducer = umap.UMAP(n_components=n_components, n_neighbors=n_neighbors, min_dist=min_dist,
-                        metric=metric, random_state=seed, n_jobs=1)
+    reducer = umap.UMAP(
+        n_components=n_components,
+        n_neighbors=n_neighbors,
+        min_dist=min_dist,
+        metric=metric,
+        random_state=seed,
+        n_jobs=1,
+    )
     proj = reducer.fit_transform(points)
     return np.split(proj, np.cumsum([len(c) for c in centroids])[:-1])
 
@@ -95,8 +108,9 @@ def pad(points: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
     return out, mask
 
 
-def set_distance(points: list[np.ndarray], kind: str = "chamfer", chunk: int = 256,
-                 device: torch.device | None = None) -> np.ndarray:
+def set_distance(
+    points: list[np.ndarray], kind: str = "chamfer", chunk: int = 256, device: torch.device | None = None
+) -> np.ndarray:
     """A_ij between client i's and client j's point sets:
     min: min_{r,s} d_rs (the paper); chamfer: (mean_r min_s d_rs + mean_s min_r d_rs) / 2;
     hausdorff: max(max_r min_s d_rs, max_s min_r d_rs)."""
@@ -106,34 +120,35 @@ def set_distance(points: list[np.ndarray], kind: str = "chamfer", chunk: int = 2
     u, mask = u.to(device or "cpu"), mask.to(device or "cpu")
     m, k, dim = u.shape
     flat, valid = u.reshape(m * k, dim), mask.reshape(m * k)
-    counts = mask.sum(1).to(u.dtype)                                    # [M]
+    counts = mask.sum(1).to(u.dtype)  # [M]
     out = torch.empty(m, m, dtype=torch.float64, device=u.device)
     for lo in range(0, m, chunk):
-        rows_valid = mask[lo:lo + chunk]                                # [c, k]
-        d = torch.cdist(u[lo:lo + chunk].reshape(-1, dim), flat)
+        rows_valid = mask[lo : lo + chunk]  # [c, k]
+        d = torch.cdist(u[lo : lo + chunk].reshape(-1, dim), flat)
         d = d.view(len(rows_valid), k, m, k)
         d = d.masked_fill(~valid.view(1, 1, m, k), torch.inf).masked_fill(~rows_valid.view(-1, k, 1, 1), torch.inf)
         if kind == "min":
-            out[lo:lo + chunk] = d.amin(dim=(1, 3))
+            out[lo : lo + chunk] = d.amin(dim=(1, 3))
             continue
-        near_ij = d.amin(dim=3)                                         # [c, k, M]: each r to j's set
-        near_ji = d.amin(dim=1)                                         # [c, M, k]: each s to i's set
+        near_ij = d.amin(dim=3)  # [c, k, M]: each r to j's set
+        near_ji = d.amin(dim=1)  # [c, M, k]: each s to i's set
         if kind == "chamfer":
-            a = near_ij.masked_fill(~rows_valid[:, :, None], 0).sum(1) / counts[lo:lo + chunk, None]
+            a = near_ij.masked_fill(~rows_valid[:, :, None], 0).sum(1) / counts[lo : lo + chunk, None]
             b = near_ji.masked_fill(~valid.view(1, m, k), 0).sum(2) / counts[None, :]
-            out[lo:lo + chunk] = (a + b) / 2
+            out[lo : lo + chunk] = (a + b) / 2
         else:
             a = near_ij.masked_fill(~rows_valid[:, :, None], -torch.inf).amax(1)
             b = near_ji.masked_fill(~valid.view(1, m, k), -torch.inf).amax(2)
-            out[lo:lo + chunk] = torch.maximum(a, b)
+            out[lo : lo + chunk] = torch.maximum(a, b)
     dist = out.cpu().numpy()
-    dist = (dist + dist.T) / 2        # exact symmetry (float rounding of the two halves)
+    dist = (dist + dist.T) / 2  # exact symmetry (float rounding of the two halves)
     np.fill_diagonal(dist, 0.0)
     return dist
 
 
-def min_distance_adjacency(points: list[np.ndarray], chunk: int = 256,
-                           device: torch.device | None = None) -> np.ndarray:
+def min_distance_adjacency(
+    points: list[np.ndarray], chunk: int = 256, device: torch.device | None = None
+) -> np.ndarray:
     """The paper's A_ij = min over (r, s) of ||u_ir - u_js||."""
     return set_distance(points, "min", chunk, device)
 
@@ -156,8 +171,13 @@ def cluster_graph(labels: np.ndarray) -> np.ndarray:
     return (labels[:, None] == labels[None, :]).astype(np.float32)
 
 
-def relate(points: list[np.ndarray], how: Relatedness, n_clusters="auto", max_clusters: int = 20,
-           device: torch.device | None = None) -> Clustering:
+def relate(
+    points: list[np.ndarray],
+    how: Relatedness,
+    n_clusters="auto",
+    max_clusters: int = 20,
+    device: torch.device | None = None,
+) -> Clustering:
     """Steps 3-4 of FCR on already projected points (UMAP is the caller's: it is seeded
     and slow, and the embedding-space pipeline skips it)."""
     m = len(points)
@@ -173,8 +193,11 @@ def relate(points: list[np.ndarray], how: Relatedness, n_clusters="auto", max_cl
         z = linkage(squareform(adj, checks=False), method=how.linkage)
     cap = max(1, min(max_clusters, m - 1))
     if n_clusters == "auto":
-        c = gap_clusters(z, cap) if how.choose == "gap" else \
-            silhouette_clusters(z, adj, cap, how.min_silhouette, how.silhouette_slack)
+        c = (
+            gap_clusters(z, cap)
+            if how.choose == "gap"
+            else silhouette_clusters(z, adj, cap, how.min_silhouette, how.silhouette_slack)
+        )
     else:
         c = max(1, min(int(n_clusters), m))
     labels = _canonical(fcluster(z, c, criterion="maxclust") - 1)
@@ -191,8 +214,7 @@ def _silhouette(adj: np.ndarray, labels: np.ndarray) -> float | None:
     return float(silhouette_score(adj, labels, metric="precomputed"))
 
 
-def silhouette_clusters(z: np.ndarray, adj: np.ndarray, max_clusters: int, floor: float,
-                        slack: float = 0.0) -> int:
+def silhouette_clusters(z: np.ndarray, adj: np.ndarray, max_clusters: int, floor: float, slack: float = 0.0) -> int:
     """The largest C in 2..max_clusters whose silhouette of A is within `slack` of the
     best; 1 when no cut reaches `floor` (no real structure: every client is related to
     every other). Near-ties go to the finer cut because merging two different clusters

@@ -1,5 +1,6 @@
 """Figures and scores of a clustering: adjacency (raw and reordered), dendrogram,
 UMAP scatter, and agreement with the planted clusters when they are known."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,13 +14,23 @@ def agreement(found: np.ndarray, truth: np.ndarray) -> dict:
     known = truth >= 0
     if known.sum() < 2:
         return {}
-    return {"ari": float(adjusted_rand_score(truth[known], found[known])),
-            "nmi": float(normalized_mutual_info_score(truth[known], found[known]))}
+    return {
+        "ari": float(adjusted_rand_score(truth[known], found[known])),
+        "nmi": float(normalized_mutual_info_score(truth[known], found[known])),
+    }
 
 
-def plot_fcr(out_dir: Path, adj: np.ndarray, graph: np.ndarray, z: np.ndarray, order: np.ndarray,
-             points: list[np.ndarray], labels: np.ndarray, truth: np.ndarray | None = None,
-             tag: str = "") -> list[Path]:
+def plot_fcr(
+    out_dir: Path,
+    adj: np.ndarray,
+    graph: np.ndarray,
+    z: np.ndarray,
+    order: np.ndarray,
+    points: list[np.ndarray],
+    labels: np.ndarray,
+    truth: np.ndarray | None = None,
+    tag: str = "",
+) -> list[Path]:
     """adjacency{tag}.png (A, A~, A~ in dendrogram order), dendrogram{tag}.png and
     centroids{tag}.png (the clients' centroids in 2-D, coloured by found and true cluster)."""
     import matplotlib
@@ -30,9 +41,11 @@ def plot_fcr(out_dir: Path, adj: np.ndarray, graph: np.ndarray, z: np.ndarray, o
 
     paths = []
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
-    for ax, mat, title in ((axes[0], adj, "A (distance between centroid sets)"),
-                           (axes[1], graph, "A~ (client graph)"),
-                           (axes[2], graph[np.ix_(order, order)], "A~ reordered by the dendrogram")):
+    for ax, mat, title in (
+        (axes[0], adj, "A (distance between centroid sets)"),
+        (axes[1], graph, "A~ (client graph)"),
+        (axes[2], graph[np.ix_(order, order)], "A~ reordered by the dendrogram"),
+    ):
         im = ax.imshow(mat, cmap="viridis_r" if mat is adj else "Greys", interpolation="nearest")
         ax.set(title=title, xlabel="client", ylabel="client")
         if mat is adj:
@@ -55,8 +68,7 @@ def plot_fcr(out_dir: Path, adj: np.ndarray, graph: np.ndarray, z: np.ndarray, o
     return paths
 
 
-def scatter(path: Path, points: list[np.ndarray], labels: np.ndarray, truth: np.ndarray | None,
-            space: str) -> Path:
+def scatter(path: Path, points: list[np.ndarray], labels: np.ndarray, truth: np.ndarray | None, space: str) -> Path:
     """Every client's centroids as 2-D points, coloured by found (and true) cluster."""
     import matplotlib
 

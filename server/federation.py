@@ -18,6 +18,7 @@ reports of one-off exchanges become events in the round's record (set-up's in ro
 The emulator plugs its behaviour in through a `population` object (participation
 sampling, device clock, arrivals, drift); the server never imports the emulator.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -42,22 +43,39 @@ log = logging.getLogger("flt.server")
 
 
 class Federation:
-    def __init__(self, transport: Transport, train_cfg: dict, seed: int, timeout_s: float,
-                 device: torch.device, shard_sizes: ShardSizes | None = None):
+    def __init__(
+        self,
+        transport: Transport,
+        train_cfg: dict,
+        seed: int,
+        timeout_s: float,
+        device: torch.device,
+        shard_sizes: ShardSizes | None = None,
+    ):
         self.transport, self.cfg, self.seed = transport, train_cfg, seed
         self.shard_sizes = shard_sizes  # replies' sample counts and totals are checked against it
         self.timeout_s, self.device = timeout_s, device
         self.method = ""
-        self.present = np.zeros(0, dtype=np.int64)       # clients in the population now
-        self.clock: ExchangeClock | None = None           # the running method's population
-        self.events: list[dict] = []                      # one-off exchanges' reports, for the next record
+        self.present = np.zeros(0, dtype=np.int64)  # clients in the population now
+        self.clock: ExchangeClock | None = None  # the running method's population
+        self.events: list[dict] = []  # one-off exchanges' reports, for the next record
 
     def _seed(self, rnd: int, salt: int = 0) -> int:
-        return (self.seed * 7919 + rnd * 104_729 + salt) % (2 ** 31)
+        return (self.seed * 7919 + rnd * 104_729 + salt) % (2**31)
 
-    def exchange(self, kind: str, rnd: int, msgs: dict[int, Message], reply: str, *,
-                 check: Check | None = None, timeout_s: float | None = None, work: Work | None = None,
-                 clocked: bool = True, event: bool = True) -> Exchange[Message]:
+    def exchange(
+        self,
+        kind: str,
+        rnd: int,
+        msgs: dict[int, Message],
+        reply: str,
+        *,
+        check: Check | None = None,
+        timeout_s: float | None = None,
+        work: Work | None = None,
+        clocked: bool = True,
+        event: bool = True,
+    ) -> Exchange[Message]:
         """The one path of every exchange: send `msgs`, gather the `reply` messages, price
         what each answering client did (its payload down and up, and `work`) on the
         emulated clock, and report the bytes by kind that crossed the socket meanwhile.
@@ -68,13 +86,23 @@ class Federation:
         ids = np.array(sorted(replies), dtype=np.int64)
         down = np.array([_payload(msgs[c]) for c in ids.tolist()], dtype=np.float64)
         up = np.array([_payload(replies[c]) for c in ids.tolist()], dtype=np.float64)
-        done = np.array([work(msgs[c], replies[c]) if work else (0.0, 0.0) for c in ids.tolist()],
-                        dtype=np.float64).reshape(-1, 2)
-        kept, clock = (self.clock.price(kind, ids, down, up, done[:, 0], done[:, 1])
-                       if clocked and self.clock is not None else (ids, {}))
-        report = {"kind": "exchange", "exchange": kind, "round": rnd, "clients": sorted(msgs),
-                  "replies": len(replies), "bytes": _bytes_between(before, self.transport.ledger.totals()),
-                  **clock}
+        done = np.array(
+            [work(msgs[c], replies[c]) if work else (0.0, 0.0) for c in ids.tolist()], dtype=np.float64
+        ).reshape(-1, 2)
+        kept, clock = (
+            self.clock.price(kind, ids, down, up, done[:, 0], done[:, 1])
+            if clocked and self.clock is not None
+            else (ids, {})
+        )
+        report = {
+            "kind": "exchange",
+            "exchange": kind,
+            "round": rnd,
+            "clients": sorted(msgs),
+            "replies": len(replies),
+            "bytes": _bytes_between(before, self.transport.ledger.totals()),
+            **clock,
+        }
         if event:
             self.events.append(report)
         return Exchange(replies, [int(c) for c in kept], report)
@@ -84,20 +112,34 @@ class Federation:
         events, self.events = self.events, []
         return events
 
-    def train(self, rnd: int, tasks: dict[int, Task], delays: dict[int, float] | None = None,
-              timeout_s: float | None = None) -> Exchange[Result]:
+    def train(
+        self, rnd: int, tasks: dict[int, Task], delays: dict[int, float] | None = None, timeout_s: float | None = None
+    ) -> Exchange[Result]:
         """Train the selected clients; `delays` (real-time mode) makes each device wait
         that long before answering, and replies later than `timeout_s` are dropped. The
         round is the exchange's report; `kept` are the replies that beat the clock."""
-        base = {"epochs": self.cfg["local_epochs"], "batch_size": self.cfg["batch_size"],
-                "lr": self.cfg["lr"], "vectorize": self.cfg["vectorize"], "seed": self._seed(rnd)}
+        base = {
+            "epochs": self.cfg["local_epochs"],
+            "batch_size": self.cfg["batch_size"],
+            "lr": self.cfg["lr"],
+            "vectorize": self.cfg["vectorize"],
+            "seed": self._seed(rnd),
+        }
         msgs = {}
         for c, t in tasks.items():
             tensors = {} if t.models is None else {"model": t.models.detach().cpu().numpy()}
             delay = {"delay_s": delays[c]} if delays else {}
             msgs[c] = Message("train", rnd, c, tensors=tensors, meta={**base, **t.meta, **delay})
-        ex = self.exchange("train", rnd, msgs, "update", check=update_check(msgs, self.shard_sizes),
-                           timeout_s=timeout_s, work=_trained, event=False)
+        ex = self.exchange(
+            "train",
+            rnd,
+            msgs,
+            "update",
+            check=update_check(msgs, self.shard_sizes),
+            timeout_s=timeout_s,
+            work=_trained,
+            event=False,
+        )
         return ex.decoded(lambda r: Result(self._tensor(r, "model"), int(r.meta["n"]), r.meta))
 
     def _tensor(self, msg: Message, name: str):
@@ -105,28 +147,38 @@ class Federation:
             return None
         return torch.from_numpy(msg.tensors[name].copy()).to(self.device)
 
-    def evaluate(self, rnd: int, clients: np.ndarray, models: torch.Tensor | None,
-                 rows: np.ndarray) -> dict[int, dict]:
+    def evaluate(self, rnd: int, clients: np.ndarray, models: torch.Tensor | None, rows: np.ndarray) -> dict[int, dict]:
         """Evaluate client c with models[rows[i]] on its own test shard (on its device).
         The emulator's measurement, not the method's: its bytes count, its time does not."""
         host = None if models is None else models.detach().cpu().numpy()
         msgs = {}
         for c, r in zip(clients.tolist(), rows.tolist(), strict=True):
-            tensors = {} if host is None else {"model": host[r:r + 1]}
+            tensors = {} if host is None else {"model": host[r : r + 1]}
             msgs[c] = Message("evaluate", rnd, c, tensors=tensors, meta={"resident": host is None})
-        ex = self.exchange("evaluate", rnd, msgs, "metrics", check=metrics_check(self.shard_sizes),
-                           clocked=False, event=False)
+        ex = self.exchange(
+            "evaluate", rnd, msgs, "metrics", check=metrics_check(self.shard_sizes), clocked=False, event=False
+        )
         return {c: m.meta for c, m in ex.results.items()}
 
-    def embed(self, rnd: int, clients, tensors: dict[str, np.ndarray], meta: dict,
-              purpose: str = "fcr") -> Exchange[np.ndarray]:
+    def embed(
+        self, rnd: int, clients, tensors: dict[str, np.ndarray], meta: dict, purpose: str = "fcr"
+    ) -> Exchange[np.ndarray]:
         """Send an encoder to each client (once per client, counted as 'encoder' bytes) and
         collect its k x e centroids; the exchange is priced and reported as `purpose`."""
-        msgs = {int(c): Message("encoder", rnd, int(c), tensors=tensors,
-                                meta={**meta, "seed": self._seed(rnd, 1)}) for c in clients}
+        msgs = {
+            int(c): Message("encoder", rnd, int(c), tensors=tensors, meta={**meta, "seed": self._seed(rnd, 1)})
+            for c in clients
+        }
         k = meta.get("k")  # "auto" picks k in 2..10 on the device
-        ex = self.exchange(purpose, rnd, msgs, "centroids", timeout_s=self.timeout_s * 4, work=_embedded,
-                           check=centroids_check(self.shard_sizes, k if isinstance(k, int) else 10))
+        ex = self.exchange(
+            purpose,
+            rnd,
+            msgs,
+            "centroids",
+            timeout_s=self.timeout_s * 4,
+            work=_embedded,
+            check=centroids_check(self.shard_sizes, k if isinstance(k, int) else 10),
+        )
         return ex.decoded(lambda m: m.tensors["centroids"].copy())
 
     # -- checkpoints -------------------------------------------------------------------
@@ -137,8 +189,13 @@ class Federation:
         clients = self._device_state(rnd)  # uses a batch id too, in both runs
         batch = next(t.batches)
         t.batches = itertools.count(batch)  # peeked, not consumed
-        return {"ledger": t.ledger, "batch": batch, "lost_devices": sorted(t.lost_devices),
-                "clients": clients, "events": list(self.events)}
+        return {
+            "ledger": t.ledger,
+            "batch": batch,
+            "lost_devices": sorted(t.lost_devices),
+            "clients": clients,
+            "events": list(self.events),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.transport.lost_devices.update(state["lost_devices"])
@@ -169,8 +226,10 @@ class Federation:
         missing = sorted(set(clients) - set(replies) - set(t.lost_clients().tolist()))
         if missing:
             raise RuntimeError(f"checkpoint: clients {missing[:20]} did not report their device state")
-        return {"models": {c: r.tensors["model"].copy() for c, r in replies.items() if "model" in r.tensors},
-                "flags": sorted(c for c, r in replies.items() if r.meta.get("flag"))}
+        return {
+            "models": {c: r.tensors["model"].copy() for c, r in replies.items() if "model" in r.tensors},
+            "flags": sorted(c for c, r in replies.items() if r.meta.get("flag")),
+        }
 
     def _restore_device_state(self, state: dict) -> None:
         """Every hosted client gets its checkpointed state back (a flag that replayed drift
@@ -180,8 +239,15 @@ class Federation:
         try:
             for c in self._hosted():
                 model = state["models"].get(c)
-                t.send(t.client_device[c], Message("state", client=c, meta={"flag": int(c in flags)},
-                                                   tensors={} if model is None else {"model": model}))
+                t.send(
+                    t.client_device[c],
+                    Message(
+                        "state",
+                        client=c,
+                        meta={"flag": int(c in flags)},
+                        tensors={} if model is None else {"model": model},
+                    ),
+                )
         finally:
             t.ledger = billed
 
@@ -230,16 +296,30 @@ def accuracy_stats(metrics: dict[int, dict], newcomers=()) -> dict:
         return {"acc_mean": float("nan"), "acc_se": float("nan"), "acc_var": float("nan"), "n_eval": 0, **out}
     acc = 100.0 * np.array([metrics[c]["correct"] / metrics[c]["total"] for c in tested])
     se = acc.std(ddof=1) / np.sqrt(len(acc)) if len(acc) > 1 else 0.0
-    out |= {"acc_mean": float(acc.mean()), "acc_se": float(se), "acc_var": float(acc.var()),
-            "acc_min": float(acc.min()), "n_eval": int(len(acc))}
+    out |= {
+        "acc_mean": float(acc.mean()),
+        "acc_se": float(se),
+        "acc_var": float(acc.var()),
+        "acc_min": float(acc.min()),
+        "n_eval": int(len(acc)),
+    }
     new = np.isin(tested, np.asarray(newcomers, dtype=np.int64))
     if new.any() and not new.all():
         out |= {"acc_incumbents": float(acc[~new].mean()), "acc_newcomers": float(acc[new].mean())}
     return out
 
 
-def run_method(strategy: Strategy, fed: Federation, population, rounds: int, eval_every: int,
-               out_dir: Path, progress=print, on_round=None, resume: bool = False) -> list[dict]:
+def run_method(
+    strategy: Strategy,
+    fed: Federation,
+    population,
+    rounds: int,
+    eval_every: int,
+    out_dir: Path,
+    progress=print,
+    on_round=None,
+    resume: bool = False,
+) -> list[dict]:
     """Setup, then T rounds of select / train / aggregate / evaluate. Each round's record
     is appended to out_dir/metrics.jsonl as soon as it exists, the state is checkpointed
     (out_dir/CHECKPOINT, also after setup as round 0) and `on_round(history)` is
@@ -270,8 +350,14 @@ def run_method(strategy: Strategy, fed: Federation, population, rounds: int, eva
             strategy.aggregate(rnd, results)
             events += strategy.maintain(rnd, fed)
             events += fed.take_events()  # set-up's (round 1), an arrival's, a re-clustering's
-            record = {"method": strategy.name, "round": rnd, "selected": int(len(selected)),
-                      "returned": int(len(results)), "events": events, **_round_clock(trained.report, events)}
+            record = {
+                "method": strategy.name,
+                "round": rnd,
+                "selected": int(len(selected)),
+                "returned": int(len(results)),
+                "events": events,
+                **_round_clock(trained.report, events),
+            }
             timing = {"train_s": time.perf_counter() - r_tic}  # selection, training, aggregation
             if rnd % eval_every == 0 or rnd == rounds:
                 e_tic = time.perf_counter()
@@ -299,11 +385,17 @@ def run_method(strategy: Strategy, fed: Federation, population, rounds: int, eva
 CHECKPOINT = "checkpoint.npz"  # in each method's folder: the state after its last round
 
 
-def save_checkpoint(out_dir: Path, rnd: int, setup_s: float, strategy: Strategy, fed: Federation,
-                    population) -> None:
-    checkpoint.save(out_dir / CHECKPOINT, {
-        "round": rnd, "setup_s": setup_s, "strategy": strategy.state_dict(),
-        "population": population.state_dict(), "federation": fed.state_dict(rnd)})
+def save_checkpoint(out_dir: Path, rnd: int, setup_s: float, strategy: Strategy, fed: Federation, population) -> None:
+    checkpoint.save(
+        out_dir / CHECKPOINT,
+        {
+            "round": rnd,
+            "setup_s": setup_s,
+            "strategy": strategy.state_dict(),
+            "population": population.state_dict(),
+            "federation": fed.state_dict(rnd),
+        },
+    )
 
 
 def resume_method(out_dir: Path, strategy: Strategy, fed: Federation, population) -> tuple[int, list, float]:
@@ -360,8 +452,12 @@ def _round_clock(round_report: dict, events: list[dict]) -> dict:
     if "duration_s" not in round_report:
         return {}
     clocks = [e["emulated_s"] for e in events if e.get("kind") == "exchange" and "emulated_s" in e]
-    return {"round_s": round_report["duration_s"], "emulated_s": max([round_report["emulated_s"], *clocks]),
-            "stragglers": round_report["stragglers"], "dropouts": round_report["dropouts"]}
+    return {
+        "round_s": round_report["duration_s"],
+        "emulated_s": max([round_report["emulated_s"], *clocks]),
+        "stragglers": round_report["stragglers"],
+        "dropouts": round_report["dropouts"],
+    }
 
 
 def _bytes_so_far(transport: Transport) -> dict:
@@ -373,6 +469,8 @@ def _line(r: dict, rounds: int) -> str:
     up = sum(r["bytes"]["up"].values()) / 1e6
     down = sum(r["bytes"]["down"].values()) / 1e6
     acc = f"acc {r['acc_mean']:6.2f} ± {r['acc_se']:4.2f}" if "acc_mean" in r else " " * 18
-    return (f"[{r['method']}] round {r['round']:>3}/{rounds}  {acc}  "
-            f"up {up:8.2f} MB  down {down:8.2f} MB  train {r['timing']['train_s']:.2f} s  "
-            f"({r['returned']}/{r['selected']} returned)")
+    return (
+        f"[{r['method']}] round {r['round']:>3}/{rounds}  {acc}  "
+        f"up {up:8.2f} MB  down {down:8.2f} MB  train {r['timing']['train_s']:.2f} s  "
+        f"({r['returned']}/{r['selected']} returned)"
+    )

@@ -5,6 +5,7 @@ Anything that reports progress takes a `progress` callable (`print` by default).
 `Display` is such a callable that also draws bars; `step()` uses the bar when it is given
 a Display and falls back to printing every `every`-th step (and the last) otherwise.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -39,8 +40,9 @@ def duration(seconds: float) -> str:
     return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
 
 
-def step(progress, i: int, n: int, line: str, unit: str = "step", every: int | None = None,
-         force: bool = False) -> None:
+def step(
+    progress, i: int, n: int, line: str, unit: str = "step", every: int | None = None, force: bool = False
+) -> None:
     """Step `i` of `n` is done; `line` describes it. `force` prints it however often
     lines are thinned (e.g. a round with an arrival)."""
     if isinstance(progress, Display):
@@ -56,7 +58,7 @@ class Display:
     def __init__(self, stream=None, tty: bool | None = None):
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
-        self.status = ""                      # the bar now on screen ("" = none)
+        self.status = ""  # the bar now on screen ("" = none)
         self._clock: dict[str, tuple[int, float]] = {}  # unit -> (first step, its start)
 
     def __call__(self, text) -> None:
@@ -64,8 +66,9 @@ class Display:
         self.stream.write(f"{text}\n")
         self._draw(self.status)
 
-    def step(self, i: int, n: int, line: str, unit: str = "step", every: int | None = None,
-             force: bool = False) -> None:
+    def step(
+        self, i: int, n: int, line: str, unit: str = "step", every: int | None = None, force: bool = False
+    ) -> None:
         tail = self.tail(i, n, unit)
         if not self.tty:
             if force or i == n or i % (every or every_for(n)) == 0:

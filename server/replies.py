@@ -10,6 +10,7 @@ reason, its bytes kept apart, its client named in the log and left out of the ro
 Each `*_check` returns a function `(client, reply) -> (reason, detail) | None` for
 `Transport.gather`.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,6 +31,7 @@ def update_check(sent: dict[int, Message], sizes: ShardSizes | None) -> Check:
     """An `update` must carry exactly the client's training-sample count, the steps that
     count implies, a candidate index it was offered, and (unless the model stays on the
     device) one finite model of the size that was sent."""
+
     def check(client: int, reply: Message):
         task, meta = sent[client], reply.meta
         n, expected_n = meta.get("n"), sizes(client)[0] if sizes else None
@@ -44,13 +46,13 @@ def update_check(sent: dict[int, Message], sizes: ShardSizes | None) -> Check:
         if meta.get("flag", 0) not in (0, 1) or not _is_number(meta.get("loss", 0.0)):
             return "bad meta", f"flag {short(meta.get('flag'), 24)}, loss {short(meta.get('loss'), 24)}"
         return _model_problem(task, reply)
+
     return check
 
 
 def _model_problem(task: Message, reply: Message):
     if task.meta.get("resident"):  # the model stays on the device (Local): none travels back
-        return ("bad model", f"tensors {sorted(reply.tensors)} for a device-resident model") \
-            if reply.tensors else None
+        return ("bad model", f"tensors {sorted(reply.tensors)} for a device-resident model") if reply.tensors else None
     model, size = reply.tensors.get("model"), task.tensors["model"].shape[-1]
     if model is None or model.dtype != np.float32 or model.shape != (size,) or len(reply.tensors) != 1:
         return "bad model", f"expected one float32 model of {size} parameters"
@@ -62,32 +64,41 @@ def _model_problem(task: Message, reply: Message):
 def metrics_check(sizes: ShardSizes | None) -> Check:
     """`metrics` must count exactly the client's test shard, and a whole number of correct
     answers between 0 and that."""
+
     def check(client: int, reply: Message):
         correct, total = reply.meta.get("correct"), reply.meta.get("total")
         expected = sizes(client)[1] if sizes else total
-        if not (_is_number(correct) and _is_number(total) and total == expected
-                and 0 <= correct <= total and float(correct).is_integer()):
-            return "wrong evaluation totals", (f"correct {short(correct, 24)} of total {short(total, 24)}, "
-                                               f"its test shard holds {expected}")
+        if not (
+            _is_number(correct)
+            and _is_number(total)
+            and total == expected
+            and 0 <= correct <= total
+            and float(correct).is_integer()
+        ):
+            return "wrong evaluation totals", (
+                f"correct {short(correct, 24)} of total {short(total, 24)}, its test shard holds {expected}"
+            )
         if not _is_number(reply.meta.get("loss", 0.0)) or reply.tensors:
             return "bad meta", f"loss {short(reply.meta.get('loss'), 24)}, tensors {sorted(reply.tensors)}"
         return None
+
     return check
 
 
 def centroids_check(sizes: ShardSizes | None, max_k: int = 64) -> Check:
     """`centroids`: the client's whole training shard embedded, into 1..max_k finite rows."""
+
     def check(client: int, reply: Message):
         n, expected_n = reply.meta.get("n"), sizes(client)[0] if sizes else None
         if not _is_int(n) or (expected_n is not None and n != expected_n):
             return "wrong sample count", f"n = {short(n, 24)}, its shard holds {expected_n}"
         c = reply.tensors.get("centroids")
-        if c is None or c.ndim != 2 or not 1 <= c.shape[0] <= max_k or c.dtype.kind != "f" \
-                or len(reply.tensors) != 1:
+        if c is None or c.ndim != 2 or not 1 <= c.shape[0] <= max_k or c.dtype.kind != "f" or len(reply.tensors) != 1:
             return "bad centroids", f"expected one float k x e array, k in 1..{max_k}"
         if not np.isfinite(c).all():
             return "non-finite centroids", "NaN or inf in the centroids"
         return None
+
     return check
 
 

@@ -7,6 +7,7 @@ unexpected messages are rejected, counted by reason with their bytes (apart from
 method's traffic), logged at a bounded rate and dropped at once; they never stop the
 server.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +32,7 @@ class DeviceLost(RuntimeError):
 
 
 SETUP_KINDS = ("hello", "ready", "error")  # what a device sends outside a task
-LOG_FIRST, LOG_EVERY_S = 5, 10.0            # rejections logged one by one, then summarised
+LOG_FIRST, LOG_EVERY_S = 5, 10.0  # rejections logged one by one, then summarised
 
 
 class Rejections:
@@ -52,10 +53,11 @@ class Rejections:
         return sum(n for n, _ in self.by_reason.values())
 
     def summary(self) -> dict:
-        return {"rejected_messages": self.messages,
-                "rejected_bytes": sum(b for _, b in self.by_reason.values()),
-                "rejected_reasons": {r: {"messages": n, "bytes": b}
-                                     for r, (n, b) in sorted(self.by_reason.items())}}
+        return {
+            "rejected_messages": self.messages,
+            "rejected_bytes": sum(b for _, b in self.by_reason.values()),
+            "rejected_reasons": {r: {"messages": n, "bytes": b} for r, (n, b) in sorted(self.by_reason.items())},
+        }
 
 
 class Ledger:
@@ -81,8 +83,7 @@ class Ledger:
 
     def totals(self, since_round: int | None = None) -> dict:
         """{'up': {'model': {'payload': b, 'overhead': b, 'messages': n}, ...}, 'down': ...}"""
-        out = {d: {k: {"payload": 0, "overhead": 0, "messages": 0} for k in TRAFFIC_CLASSES}
-               for d in ("up", "down")}
+        out = {d: {k: {"payload": 0, "overhead": 0, "messages": 0} for k in TRAFFIC_CLASSES} for d in ("up", "down")}
         for (rnd, direction, traffic), (pay, over, n) in self.rows.items():
             if since_round is None or rnd >= since_round:
                 cell = out[direction][traffic]
@@ -98,28 +99,29 @@ class Ledger:
 
 
 class Transport:
-    def __init__(self, endpoint: str = "tcp://127.0.0.1:*", gate: Gate | None = None,
-                 max_inbound: int = MAX_HEADER_BYTES):
-        self.gate = gate or Gate(curve=False)      # who may connect, under which name (server/auth.py)
+    def __init__(
+        self, endpoint: str = "tcp://127.0.0.1:*", gate: Gate | None = None, max_inbound: int = MAX_HEADER_BYTES
+    ):
+        self.gate = gate or Gate(curve=False)  # who may connect, under which name (server/auth.py)
         self.ctx = self.gate.ctx
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone device raises, not drops
-        self.gate.secure(self.sock)                # CURVE must be set before bind
-        self._limit_inbound(max_inbound)            # so must the size limit: the listener copies it
+        self.gate.secure(self.sock)  # CURVE must be set before bind
+        self._limit_inbound(max_inbound)  # so must the size limit: the listener copies it
         self.sock.bind(endpoint)
         # the server names each connection (routing ids are libzmq's, never the device's choice)
-        self.routes: dict[str, bytes] = {}          # device name -> routing id
-        self.names: dict[bytes, str] = {}           # routing id -> device name
+        self.routes: dict[str, bytes] = {}  # device name -> routing id
+        self.names: dict[bytes, str] = {}  # routing id -> device name
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.ledger = Ledger()
-        self.devices: dict[str, dict] = {}          # name -> hello meta
-        self.client_device: dict[int, str] = {}     # client id -> device name
+        self.devices: dict[str, dict] = {}  # name -> hello meta
+        self.client_device: dict[int, str] = {}  # client id -> device name
         self.lost_devices: set[str] = set()
         self.batches = itertools.count(1)
         self.alive: Callable[[str], bool] = lambda name: True
-        self.rejections = Rejections()              # the whole run's; the ledger's are per method
-        self._logged_at: dict[str, float] = {}      # reason -> when its last summary line was logged
+        self.rejections = Rejections()  # the whole run's; the ledger's are per method
+        self._logged_at: dict[str, float] = {}  # reason -> when its last summary line was logged
 
     # -- raw send / receive -----------------------------------------------------------
     def send(self, device: str, msg: Message) -> None:
@@ -179,8 +181,12 @@ class Transport:
             if msg.kind != "hello" and ident not in self.devices:
                 self.reject("unknown device", ident, size, f"{msg.kind} (client {msg.client})")
             elif msg.client >= 0 and self.client_device.get(msg.client) != ident:
-                self.reject("wrong client", ident, size, f"{msg.kind} for client {msg.client}, "
-                            f"hosted by {self.client_device.get(msg.client)!r}")
+                self.reject(
+                    "wrong client",
+                    ident,
+                    size,
+                    f"{msg.kind} for client {msg.client}, hosted by {self.client_device.get(msg.client)!r}",
+                )
             else:
                 return ident, msg, size
 
@@ -198,8 +204,13 @@ class Transport:
         if n <= LOG_FIRST:
             log.warning("rejected (%s) from %s: %s", reason, short(ident, 40), short(detail, 300))
         elif now - self._logged_at.get(reason, 0.0) >= LOG_EVERY_S:
-            log.warning("rejected %d messages so far for %s (latest from %s: %s)", n, reason,
-                        short(ident, 40), short(detail, 120))
+            log.warning(
+                "rejected %d messages so far for %s (latest from %s: %s)",
+                n,
+                reason,
+                short(ident, 40),
+                short(detail, 120),
+            )
         else:
             return
         self._logged_at[reason] = now
@@ -247,9 +258,14 @@ class Transport:
         return [d for d in self.devices if d not in self.lost_devices]
 
     # -- tasks ------------------------------------------------------------------------
-    def gather(self, tasks: dict[int, Message], reply: str, timeout_s: float,
-               on_reply: Callable[[int, Message], None] | None = None,
-               check: Callable[[int, Message], tuple[str, str] | None] | None = None) -> dict[int, Message]:
+    def gather(
+        self,
+        tasks: dict[int, Message],
+        reply: str,
+        timeout_s: float,
+        on_reply: Callable[[int, Message], None] | None = None,
+        check: Callable[[int, Message], tuple[str, str] | None] | None = None,
+    ) -> dict[int, Message]:
         """Send one message per client, collect one reply per client.
 
         The header marks each device's last message ("last": 0/1, the same size
@@ -281,8 +297,13 @@ class Transport:
             if got is None:
                 self._drop_dead(waiting)
                 if time.monotonic() >= deadline:
-                    log.error("%s: %d clients did not answer within %.0f s: %s", reply, len(waiting),
-                              timeout_s, sorted(waiting)[:20])
+                    log.error(
+                        "%s: %d clients did not answer within %.0f s: %s",
+                        reply,
+                        len(waiting),
+                        timeout_s,
+                        sorted(waiting)[:20],
+                    )
                     break
                 continue
             ident, msg, size = got
@@ -325,8 +346,12 @@ class Transport:
         end = time.monotonic() + max_s
         while (got := self._next(min(end, time.monotonic() + quiet_s))) is not None:
             ident, msg, size = got
-            self.reject("hello mid-run" if msg.kind == "hello" else "stale", ident, size,
-                        f"{msg.kind} for client {msg.client} after the last task")
+            self.reject(
+                "hello mid-run" if msg.kind == "hello" else "stale",
+                ident,
+                size,
+                f"{msg.kind} for client {msg.client} after the last task",
+            )
 
     def _drop_dead(self, waiting: set[int]) -> None:
         for device in {self.client_device[c] for c in waiting}:
@@ -339,8 +364,7 @@ class Transport:
             return
         self.lost_devices.add(device)
         lost = sorted(c for c, d in self.client_device.items() if d == device)
-        log.error("device %s lost (%s); continuing without its %d clients %s", device, why,
-                  len(lost), _ranges(lost))
+        log.error("device %s lost (%s); continuing without its %d clients %s", device, why, len(lost), _ranges(lost))
 
     def forget(self, device: str) -> None:
         """A device that left on purpose (a method's newcomers): its clients are unhosted."""

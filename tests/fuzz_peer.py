@@ -11,6 +11,7 @@ server must reject each one; the report predicts the reason with the protocol's 
 decoder. Frames larger than the server's inbound limit never reach it (ZeroMQ drops
 them and the connection), so the report lists them apart as `not_counted`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,28 +43,30 @@ def _spec(shape) -> list:
 def crafted() -> list[list[bytes]]:
     """The messages that ended a run before issue 9, and their relatives."""
     return [
-        [b"[" * 100_000],                                    # RecursionError in json
+        [b"[" * 100_000],  # RecursionError in json
         [b"{" * 50_000 + b"}" * 50_000],
-        [_header(tensors=_spec([2 ** 62, 4])), b"\0" * 16],  # OverflowError in np.prod
-        [_header(tensors=_spec([2 ** 70])), b"\0" * 16],
-        [_header(tensors=_spec([1] * 65)), b"\0" * 4],       # ValueError in reshape
+        [_header(tensors=_spec([2**62, 4])), b"\0" * 16],  # OverflowError in np.prod
+        [_header(tensors=_spec([2**70])), b"\0" * 16],
+        [_header(tensors=_spec([1] * 65)), b"\0" * 4],  # ValueError in reshape
         [_header(tensors=_spec([-1])), b""],
-        [_header(kind=["update"]), b""],                     # unhashable kind
+        [_header(kind=["update"]), b""],  # unhashable kind
         [b'{"v": 1, "kind": "update", "round": ' + b"9" * 5000 + b"}"],  # int() digit limit
         [b'{"v": 1, "kind": "update", "client": 1e400}'],
         [_header(tensors=[{"name": "m", "dtype": {}, "shape": [1]}]), b"\0" * 4],
-        [b"x" * (MAX_HEADER_BYTES - 10)],                    # a header just under the cap
+        [b"x" * (MAX_HEADER_BYTES - 10)],  # a header just under the cap
     ]
 
 
 def templates(rng: np.random.Generator) -> list[list[bytes]]:
     """Valid messages a device sends (no hello: a stranger's hello is the gate's business)."""
     model = rng.standard_normal(16).astype(np.float32)
-    msgs = [Message("update", 1, 3, tensors={"model": model}, meta={"n": 50, "steps": 10, "batch": 2}),
-            Message("metrics", 1, 4, meta={"correct": 17.0, "total": 20.0, "batch": 3}),
-            Message("centroids", 1, 5, tensors={"centroids": model.reshape(2, 8)}, meta={"n": 50, "batch": 4}),
-            Message("ready", meta={"clients": [0, 1, 2]}),
-            Message("error", 1, 2, meta={"reason": "boom", "batch": 1})]
+    msgs = [
+        Message("update", 1, 3, tensors={"model": model}, meta={"n": 50, "steps": 10, "batch": 2}),
+        Message("metrics", 1, 4, meta={"correct": 17.0, "total": 20.0, "batch": 3}),
+        Message("centroids", 1, 5, tensors={"centroids": model.reshape(2, 8)}, meta={"n": 50, "batch": 4}),
+        Message("ready", meta={"clients": [0, 1, 2]}),
+        Message("error", 1, 2, meta={"reason": "boom", "batch": 1}),
+    ]
     return [[bytes(f) for f in encode(m)] for m in msgs]
 
 
@@ -106,16 +109,24 @@ def plan(seed: int, n_random: int, n_mutated: int, n_unhosted: int, n_collision:
     stranger += [mutate(base[int(rng.integers(len(base)))], rng) for _ in range(n_mutated)]
     stranger += crafted()
     model = np.ones(16, np.float32)
-    stranger += [[bytes(f) for f in encode(Message("update", 1, 10_000 + i, tensors={"model": model},
-                                                   meta={"n": 50, "batch": 1}))] for i in range(n_unhosted)]
+    stranger += [
+        [
+            bytes(f)
+            for f in encode(Message("update", 1, 10_000 + i, tensors={"model": model}, meta={"n": 50, "batch": 1}))
+        ]
+        for i in range(n_unhosted)
+    ]
     planned = [(f, predict(f)) for f in stranger]
     # a connection that claims a running device's name, then speaks for its client (the
     # server, not the socket, names connections: the claim is in the hello)
-    collision = [[bytes(f) for f in encode(Message("hello", meta={"name": "dev-0"}))]] + \
-        [[bytes(f) for f in encode(Message("update", 1, 0, tensors={"model": model}, meta={"n": 50, "batch": 1}))]
-         for _ in range(n_collision)]
-    oversized = [[bytes(f) for f in encode(Message("hello", meta={"name": f"big-{i}", "pad": "x" * (50 * MB)}))]
-                 for i in range(3)] + [[rng.bytes(2 * MB)] for _ in range(2)]
+    collision = [[bytes(f) for f in encode(Message("hello", meta={"name": "dev-0"}))]] + [
+        [bytes(f) for f in encode(Message("update", 1, 0, tensors={"model": model}, meta={"n": 50, "batch": 1}))]
+        for _ in range(n_collision)
+    ]
+    oversized = [
+        [bytes(f) for f in encode(Message("hello", meta={"name": f"big-{i}", "pad": "x" * (50 * MB)}))]
+        for i in range(3)
+    ] + [[rng.bytes(2 * MB)] for _ in range(2)]
     return {"stranger": [(f, r) for f, r in planned if r], "collision": collision, "oversized": oversized}
 
 
@@ -159,11 +170,16 @@ def main(argv=None) -> int:
     for frames in todo["oversized"]:
         socks["oversized"].send_multipart(frames)
     socks["oversized"].setsockopt(zmq.LINGER, 3000)  # each try ends in a disconnect: do not wait long
-    report = {"expected": dict(Counter(r for _, r in todo["stranger"])),
-              "collision": len(todo["collision"]), "not_counted": len(todo["oversized"]),
-              "sent": len(todo["stranger"]) + len(todo["collision"]) + len(todo["oversized"]),
-              "frames": sum(len(f) for f, _ in todo["stranger"]) + sum(map(len, todo["collision"]))
-              + sum(map(len, todo["oversized"])), "queued_s": time.monotonic() - tic}
+    report = {
+        "expected": dict(Counter(r for _, r in todo["stranger"])),
+        "collision": len(todo["collision"]),
+        "not_counted": len(todo["oversized"]),
+        "sent": len(todo["stranger"]) + len(todo["collision"]) + len(todo["oversized"]),
+        "frames": sum(len(f) for f, _ in todo["stranger"])
+        + sum(map(len, todo["collision"]))
+        + sum(map(len, todo["oversized"])),
+        "queued_s": time.monotonic() - tic,
+    }
     tmp = a.report.with_suffix(".tmp")
     tmp.write_text(json.dumps(report))
     os.replace(tmp, a.report)  # queued: the run may end from here on, once these are delivered

@@ -1,5 +1,6 @@
 """devices.accelerator: device processes train on a GPU when asked and able, and say so
 clearly when asked and unable. The CUDA tests run where torch sees a GPU and skip elsewhere."""
+
 import json
 
 import pytest
@@ -24,8 +25,20 @@ def test_auto_takes_the_cpu_on_a_host_without_a_gpu(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: cuda is valid here")
 def test_asking_for_cuda_without_a_gpu_fails_naming_the_device(tmp_path):
-    res = flt("run", str(QUICKSTART), "--set", "methods=[fedavg]", "--set", "train.rounds=1",
-              "--set", "devices.processes=2", "--set", "devices.accelerator=cuda", "--out", str(tmp_path))
+    res = flt(
+        "run",
+        str(QUICKSTART),
+        "--set",
+        "methods=[fedavg]",
+        "--set",
+        "train.rounds=1",
+        "--set",
+        "devices.processes=2",
+        "--set",
+        "devices.accelerator=cuda",
+        "--out",
+        str(tmp_path),
+    )
     assert res.returncode != 0
     assert "devices.accelerator is cuda" in res.stderr and "dev-0" in res.stderr
 
@@ -38,9 +51,15 @@ def _cohort(device: str, sizes=(23, 40, 7)):
 
 
 @cuda
-@pytest.mark.parametrize("cfg", [TrainConfig(epochs=2, lr=0.05), TrainConfig(epochs=2, lr=0.01, prox_mu=0.1),
-                                 TrainConfig(epochs=1, lr=0.001, optimizer="adam"),
-                                 TrainConfig(epochs=2, lr=0.05, vectorize=False)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        TrainConfig(epochs=2, lr=0.05),
+        TrainConfig(epochs=2, lr=0.01, prox_mu=0.1),
+        TrainConfig(epochs=1, lr=0.001, optimizer="adam"),
+        TrainConfig(epochs=2, lr=0.05, vectorize=False),
+    ],
+)
 def test_a_gpu_cohort_trains_as_the_cpu_does(cfg):
     torch.manual_seed(0)
     model = build_model("mlp", (1, 28, 28), 10)
@@ -60,8 +79,20 @@ def test_a_gpu_cohort_trains_as_the_cpu_does(cfg):
 @cuda
 def test_a_run_on_the_gpu_learns_and_says_where_it_trained(tmp_path):
     # compare keeps the scenario's own FLT entry (its longer encoder pretraining)
-    res = flt("compare", str(QUICKSTART), "--methods", "fedavg,flt", "--set", "train.rounds=4",
-              "--set", "devices.processes=2", "--set", "devices.accelerator=cuda", "--out", str(tmp_path))
+    res = flt(
+        "compare",
+        str(QUICKSTART),
+        "--methods",
+        "fedavg,flt",
+        "--set",
+        "train.rounds=4",
+        "--set",
+        "devices.processes=2",
+        "--set",
+        "devices.accelerator=cuda",
+        "--out",
+        str(tmp_path),
+    )
     assert res.returncode == 0, res.stderr + res.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["methods"]["flt"]["final_accuracy"] > 50.0

@@ -1,5 +1,6 @@
 """The accuracy figures: clients with no test sample, and recovery measured on the same
 clients before and after a change."""
+
 import math
 
 import pytest

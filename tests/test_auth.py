@@ -2,6 +2,7 @@
 
 CURVE keys are real (made by `flt keys`); peers are separate Python processes, either the
 real device program or a few lines of pyzmq playing a stranger."""
+
 import json
 import socket
 import stat
@@ -24,17 +25,30 @@ QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
 
 
 def flt(*args, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
-def peer(endpoint: str, hellos: list[dict], secret: bytes | None = None, server: bytes | None = None,
-         hold_s: float = 0.5, handshake: bool = True) -> subprocess.Popen:
+def peer(
+    endpoint: str,
+    hellos: list[dict],
+    secret: bytes | None = None,
+    server: bytes | None = None,
+    hold_s: float = 0.5,
+    handshake: bool = True,
+) -> subprocess.Popen:
     """A stranger: connects (with CURVE keys if given), sends hellos, waits for its handshake
     (`handshake`: one is expected), stays `hold_s` seconds, prints every message it got
     (strangers should get none), leaves."""
-    curve = "" if secret is None else (f"s.curve_secretkey = {secret!r}; s.curve_publickey = "
-                                       f"zmq.curve_public({secret!r}); s.curve_serverkey = {server!r}")
+    curve = (
+        ""
+        if secret is None
+        else (
+            f"s.curve_secretkey = {secret!r}; s.curve_publickey = "
+            f"zmq.curve_public({secret!r}); s.curve_serverkey = {server!r}"
+        )
+    )
     code = textwrap.dedent(f"""
         import time, zmq
         from models.wire import Message, encode
@@ -71,20 +85,33 @@ def key_dir(tmp_path) -> Path:
 
 def test_flt_keys_makes_private_key_pairs_and_never_overwrites(key_dir):
     names = sorted(p.name for p in key_dir.iterdir())
-    assert names == ["edge-0.key", "edge-0.key_secret", "edge-1.key", "edge-1.key_secret",
-                     "server.key", "server.key_secret"]
+    assert names == [
+        "edge-0.key",
+        "edge-0.key_secret",
+        "edge-1.key",
+        "edge-1.key_secret",
+        "server.key",
+        "server.key_secret",
+    ]
     for p in key_dir.glob("*.key_secret"):
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
         public, secret = keys.read_key(p, secret=True)
         assert zmq.curve_public(secret) == public
     assert stat.S_IMODE(key_dir.stat().st_mode) == 0o700
-    assert keys.make_keys(key_dir, 1) == ["edge-2"]            # adds, keeps the server's pair
+    assert keys.make_keys(key_dir, 1) == ["edge-2"]  # adds, keeps the server's pair
     with pytest.raises(keys.KeyFileError, match="already exists"):
         keys.write_keypair(key_dir, "edge-0")
     with pytest.raises(keys.KeyFileError, match=r"needs its NAME\.key_secret"):
         keys.read_key(key_dir / "edge-0.key", secret=True)
-    res = flt("device", "--connect", "tcp://127.0.0.1:1", "--key", str(key_dir / "nope.key_secret"),
-              "--server-key", str(key_dir / "server.key"))
+    res = flt(
+        "device",
+        "--connect",
+        "tcp://127.0.0.1:1",
+        "--key",
+        str(key_dir / "nope.key_secret"),
+        "--server-key",
+        str(key_dir / "server.key"),
+    )
     assert res.returncode == 2 and "nope.key_secret" in res.stderr and "Traceback" not in res.stderr
 
 
@@ -110,8 +137,16 @@ def test_curve_is_the_default_off_loopback_and_needs_keys_for_external_devices(k
 
 
 def test_scenario_with_unsafe_security_is_refused_before_anything_starts(tmp_path):
-    res = flt("run", str(QUICKSTART), "--set", "devices.bind=tcp://0.0.0.0:0", "--set", "devices.security=none",
-              "--out", str(tmp_path / "run"))
+    res = flt(
+        "run",
+        str(QUICKSTART),
+        "--set",
+        "devices.bind=tcp://0.0.0.0:0",
+        "--set",
+        "devices.security=none",
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert res.returncode == 2 and "devices.security" in res.stderr and "Traceback" not in res.stderr
 
 
@@ -122,10 +157,15 @@ def test_an_allowed_key_names_the_device_and_a_wrong_key_gets_nothing(key_dir, t
     server = Transport(gate=Gate.from_dir(key_dir, seats=2))
     keys.write_keypair(tmp_path, "rogue")  # a well-formed key the server never allowed
     dev = [sys.executable, "-m", "devices", "--connect", server.endpoint, "--server-key", str(key_dir / "server.key")]
-    good = subprocess.Popen([*dev, "--key", str(key_dir / "edge-1.key_secret"), "--name", "dev-0"],
-                            cwd=REPO, stderr=subprocess.PIPE, text=True)
-    rogue = subprocess.Popen([*dev, "--key", str(tmp_path / "rogue.key_secret")], cwd=REPO,
-                             stderr=subprocess.PIPE, text=True)
+    good = subprocess.Popen(
+        [*dev, "--key", str(key_dir / "edge-1.key_secret"), "--name", "dev-0"],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    rogue = subprocess.Popen(
+        [*dev, "--key", str(tmp_path / "rogue.key_secret")], cwd=REPO, stderr=subprocess.PIPE, text=True
+    )
     try:
         hellos_until(server, {"edge-1"})
         assert list(server.devices) == ["edge-1"]  # named by its key, not by --name dev-0
@@ -141,10 +181,22 @@ def test_an_allowed_key_names_the_device_and_a_wrong_key_gets_nothing(key_dir, t
 def test_a_device_with_a_wrong_server_key_gives_up_with_a_hint(key_dir, tmp_path):
     server = Transport(gate=Gate.from_dir(key_dir))
     keys.write_keypair(tmp_path, "impostor")  # what the device wrongly believes is the server's key
-    dev = subprocess.Popen([sys.executable, "-m", "devices", "--connect", server.endpoint,
-                            "--key", str(key_dir / "edge-0.key_secret"),
-                            "--server-key", str(tmp_path / "impostor.key")],
-                           cwd=REPO, stderr=subprocess.PIPE, text=True)
+    dev = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "devices",
+            "--connect",
+            server.endpoint,
+            "--key",
+            str(key_dir / "edge-0.key_secret"),
+            "--server-key",
+            str(tmp_path / "impostor.key"),
+        ],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert server.recv(3.0) is None
         assert dev.wait(timeout=60) == 2
@@ -157,8 +209,9 @@ def test_a_device_with_a_wrong_server_key_gives_up_with_a_hint(key_dir, tmp_path
 
 def test_a_device_without_keys_at_a_curve_server_says_it_needs_them(key_dir):
     server = Transport(gate=Gate.from_dir(key_dir))
-    dev = subprocess.Popen([sys.executable, "-m", "devices", "--connect", server.endpoint], cwd=REPO,
-                           stderr=subprocess.PIPE, text=True)
+    dev = subprocess.Popen(
+        [sys.executable, "-m", "devices", "--connect", server.endpoint], cwd=REPO, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert dev.wait(timeout=60) == 2 and "pass --key and --server-key" in dev.stderr.read()
     finally:
@@ -259,13 +312,27 @@ def test_strangers_during_start_up_cannot_fail_the_run_or_take_a_name(clean_run,
     endpoint = f"tcp://127.0.0.1:{port}"
     squatter = peer(endpoint, [{"name": "dev-0"}], hold_s=60)
     hit_and_run = peer(endpoint, [{"name": "intruder", "pid": 1}], hold_s=0.0)
-    res = flt("run", str(QUICKSTART), *RUN, "--set", "devices.processes=2", "--set", f"devices.bind={endpoint}",
-              "--out", str(tmp_path), timeout=300)
+    res = flt(
+        "run",
+        str(QUICKSTART),
+        *RUN,
+        "--set",
+        "devices.processes=2",
+        "--set",
+        f"devices.bind={endpoint}",
+        "--out",
+        str(tmp_path),
+        timeout=300,
+    )
     squatter.kill()
     assert res.returncode == 0, res.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["security"] == {"mechanism": "none", "denied_keys": 0, "failed_handshakes": 0,
-                                   "refused_hellos": {"wrong token": 1, "unexpected device": 1}}
+    assert summary["security"] == {
+        "mechanism": "none",
+        "denied_keys": 0,
+        "failed_handshakes": 0,
+        "refused_hellos": {"wrong token": 1, "unexpected device": 1},
+    }
     assert summary["timing"]["device_exit_codes"] == {"dev-0": 0, "dev-1": 0}
     assert _accuracies(tmp_path) == _accuracies(clean_run)
     assert "GOT" not in squatter.stdout.read() + hit_and_run.communicate(timeout=30)[0]
@@ -279,18 +346,49 @@ def test_a_run_over_curve_admits_only_allowed_keys_and_matches_the_clean_run(cle
     port = _free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
     keys.write_keypair(tmp_path, "rogue")
-    dev = [sys.executable, "-m", "emulator.cli", "device", "--connect", endpoint,
-           "--server-key", str(key_dir / "server.key")]
+    dev = [
+        sys.executable,
+        "-m",
+        "emulator.cli",
+        "device",
+        "--connect",
+        endpoint,
+        "--server-key",
+        str(key_dir / "server.key"),
+    ]
     plain = peer(endpoint, [{"name": "dev-0"}], hold_s=30, handshake=False)
-    rogue = subprocess.Popen([*dev, "--key", str(tmp_path / "rogue.key_secret")], cwd=REPO,
-                             stderr=subprocess.PIPE, text=True)
-    run = subprocess.Popen([sys.executable, "-m", "emulator.cli", "run", str(QUICKSTART), *RUN,
-                            "--set", "devices.processes=1", "--set", "devices.external=1",
-                            "--set", f"devices.bind={endpoint}", "--set", "devices.security=curve",
-                            "--set", f"devices.keys={key_dir}", "--out", str(tmp_path / "run")],
-                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    edge = subprocess.Popen([*dev, "--key", str(key_dir / "edge-0.key_secret")], cwd=REPO,
-                            stderr=subprocess.PIPE, text=True)
+    rogue = subprocess.Popen(
+        [*dev, "--key", str(tmp_path / "rogue.key_secret")], cwd=REPO, stderr=subprocess.PIPE, text=True
+    )
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "emulator.cli",
+            "run",
+            str(QUICKSTART),
+            *RUN,
+            "--set",
+            "devices.processes=1",
+            "--set",
+            "devices.external=1",
+            "--set",
+            f"devices.bind={endpoint}",
+            "--set",
+            "devices.security=curve",
+            "--set",
+            f"devices.keys={key_dir}",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    edge = subprocess.Popen(
+        [*dev, "--key", str(key_dir / "edge-0.key_secret")], cwd=REPO, stderr=subprocess.PIPE, text=True
+    )
     edge_log = ""
     while "hosting" not in edge_log and (line := edge.stderr.readline()):
         edge_log += line

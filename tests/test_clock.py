@@ -59,15 +59,22 @@ def test_task_seconds_hand_checked():
     np.testing.assert_allclose(b.compute_s, [36.0, 18.0])
     np.testing.assert_allclose(b.up_s, [4.0, 8.05])
     # per-client steps and bytes
-    t2 = task_seconds(p, [0, 1], batch_size=10, steps=np.array([60, 30]),
-                      bytes_down=np.array([MB, 0]), bytes_up=0)
+    t2 = task_seconds(p, [0, 1], batch_size=10, steps=np.array([60, 30]), bytes_down=np.array([MB, 0]), bytes_up=0)
     np.testing.assert_allclose(t2, [19.05, 18.0])
 
 
 def test_task_seconds_scales_measured_compute():
     p = profiles(ms=[10.0, 40.0], up_mbit=[8, 8], down_mbit=[8, 8], latency_ms=[0, 0])
-    t = task_times(p, [0, 1], batch_size=10, steps=60, bytes_down=0, bytes_up=0,
-                   measured_compute_s=2.0, reference_ms_per_sample=20.0)
+    t = task_times(
+        p,
+        [0, 1],
+        batch_size=10,
+        steps=60,
+        bytes_down=0,
+        bytes_up=0,
+        measured_compute_s=2.0,
+        reference_ms_per_sample=20.0,
+    )
     np.testing.assert_allclose(t.compute_s, [1.0, 4.0])
     with pytest.raises(ValueError, match="reference_ms_per_sample"):
         task_seconds(p, [0], batch_size=10, steps=1, bytes_down=0, bytes_up=0, measured_compute_s=1.0)
@@ -118,8 +125,13 @@ def test_overcommitment_with_deadline_short_of_k():
 
 def test_window_ending_mid_task_is_a_dropout():
     # client 1's window closes at t=120 but its task ends at 100 + 30 = 130
-    p = profiles(ms=[10, 10, 10], up_mbit=[8] * 3, down_mbit=[8] * 3, latency_ms=[0] * 3,
-                 windows=[np.zeros((0, 2)), np.array([[0.0, 120.0]]), np.array([[90.0, 200.0]])])
+    p = profiles(
+        ms=[10, 10, 10],
+        up_mbit=[8] * 3,
+        down_mbit=[8] * 3,
+        latency_ms=[0] * 3,
+        windows=[np.zeros((0, 2)), np.array([[0.0, 120.0]]), np.array([[90.0, 200.0]])],
+    )
     clients = np.array([0, 1, 2])
     start = 100.0
     assert p.online(clients, start).all()

@@ -1,5 +1,6 @@
 """Scenario files: validation before anything starts, `--set` overrides, the resolved
 config saved in the run folder, `flt compare`, and `flt --help`."""
+
 import json
 import subprocess
 import sys
@@ -16,8 +17,9 @@ QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
 
 
 def flt(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def scenario(tmp_path: Path, text: str, name: str = "bad.yaml") -> Path:
@@ -27,6 +29,7 @@ def scenario(tmp_path: Path, text: str, name: str = "bad.yaml") -> Path:
 
 
 # -- bad scenarios stop before anything starts ---------------------------------------------
+
 
 def test_unknown_key_exits_2_naming_file_field_and_suggestion(tmp_path):
     path = scenario(tmp_path, "train: {lrr: 0.1}\n")
@@ -51,21 +54,24 @@ def test_bad_method_param_through_the_cli_exits_2(tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("text, field, words", [
-    ("train: {rounds: ten}\n", "train.rounds", ["int", "'ten'"]),
-    ("train: {participation: 1.5}\n", "train.participation", ["1.5", "maximum"]),
-    ("train: {lr: 0}\n", "train.lr", ["minimum"]),
-    ("partition: {clients: many}\n", "partition.clients", ["int"]),
-    ("model: resnet\n", "model", ["'resnet'", "mlp"]),
-    ("methods: [fedavgg]\n", "methods[0].name", ["unknown method", "'fedavgg'", "fedavg"]),
-    ("methods: [{name: flt, gama: 1}]\n", "gama", ["unknown field", "did you mean 'gamma'", "flt"]),
-    ("methods: [{name: flt, k: five}]\n", ".k", ["'five'", "positive integer or 'auto'", "flt"]),
-    ("methods: [{name: flt, k: 0}]\n", ".k", ["positive integer or 'auto'"]),
-    ("methods: [{name: flt, encoder: {epochz: 3}}]\n", "encoder.epochz", ["did you mean 'epochs'"]),
-    ("methods: []\n", "methods", ["at least one"]),
-    ("data: {dataset: mnist}\n", "data.root", ["'mnist'", "data root"]),
-    ("data: {dataset: no_such_set}\n", "data.dataset", ["'no_such_set'"]),
-])
+@pytest.mark.parametrize(
+    "text, field, words",
+    [
+        ("train: {rounds: ten}\n", "train.rounds", ["int", "'ten'"]),
+        ("train: {participation: 1.5}\n", "train.participation", ["1.5", "maximum"]),
+        ("train: {lr: 0}\n", "train.lr", ["minimum"]),
+        ("partition: {clients: many}\n", "partition.clients", ["int"]),
+        ("model: resnet\n", "model", ["'resnet'", "mlp"]),
+        ("methods: [fedavgg]\n", "methods[0].name", ["unknown method", "'fedavgg'", "fedavg"]),
+        ("methods: [{name: flt, gama: 1}]\n", "gama", ["unknown field", "did you mean 'gamma'", "flt"]),
+        ("methods: [{name: flt, k: five}]\n", ".k", ["'five'", "positive integer or 'auto'", "flt"]),
+        ("methods: [{name: flt, k: 0}]\n", ".k", ["positive integer or 'auto'"]),
+        ("methods: [{name: flt, encoder: {epochz: 3}}]\n", "encoder.epochz", ["did you mean 'epochs'"]),
+        ("methods: []\n", "methods", ["at least one"]),
+        ("data: {dataset: mnist}\n", "data.root", ["'mnist'", "data root"]),
+        ("data: {dataset: no_such_set}\n", "data.dataset", ["'no_such_set'"]),
+    ],
+)
 def test_bad_scenarios_name_file_and_field(tmp_path, text, field, words):
     path = scenario(tmp_path, text)
     with pytest.raises(ConfigError) as exc:
@@ -77,13 +83,16 @@ def test_bad_scenarios_name_file_and_field(tmp_path, text, field, words):
         assert w in msg, (w, msg)
 
 
-@pytest.mark.parametrize("override, field", [
-    ("train.rounds=ten", "train.rounds"),
-    ("train.participation=1.5", "train.participation"),
-    ("methods=[{name: flt, k: five}]", ".k"),
-    ("train.lrr=0.1", "train.lrr"),
-    ("rounds", "--set 'rounds'"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("train.rounds=ten", "train.rounds"),
+        ("train.participation=1.5", "train.participation"),
+        ("methods=[{name: flt, k: five}]", ".k"),
+        ("train.lrr=0.1", "train.lrr"),
+        ("rounds", "--set 'rounds'"),
+    ],
+)
 def test_bad_overrides_name_file_and_field(override, field):
     with pytest.raises(ConfigError) as exc:
         config.load(QUICKSTART, [override])
@@ -92,8 +101,11 @@ def test_bad_overrides_name_file_and_field(override, field):
 
 
 def test_compare_with_an_unknown_method_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match=r"--methods: unknown method or label 'fedavgg'; "
-                                          r"methods: .*fedavg.*labels in this scenario: fedavg, flt"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--methods: unknown method or label 'fedavgg'; "
+        r"methods: .*fedavg.*labels in this scenario: fedavg, flt",
+    ):
         config.load(QUICKSTART, [], ["fedavg", "fedavgg"])
 
 
@@ -155,8 +167,7 @@ def test_overrides_are_applied_and_resolved_config_is_saved(one_round_run):
 @pytest.fixture(scope="module")
 def compare_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare-run")
-    res = flt("compare", str(QUICKSTART), "--methods", "fedavg,local", "--set", "train.rounds=2",
-              "--out", str(out))
+    res = flt("compare", str(QUICKSTART), "--methods", "fedavg,local", "--set", "train.rounds=2", "--out", str(out))
     assert res.returncode == 0, res.stderr + res.stdout
     return out
 
@@ -192,8 +203,9 @@ def test_help_lists_the_commands():
         assert cmd in res.stdout
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "scenarios").glob("*.yaml")),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).resolve().parents[1] / "scenarios").glob("*.yaml")), ids=lambda p: p.name
+)
 def test_every_shipped_scenario_validates(path):
     cfg = config.load(path)
     assert cfg["methods"] and cfg["train"]["rounds"] >= 1

@@ -1,5 +1,6 @@
 """Dataset loaders: real data from ../shared/data when present, small files in each real
 format written by the tests themselves otherwise. Nothing here downloads."""
+
 from __future__ import annotations
 
 import gzip
@@ -314,8 +315,11 @@ def write_leaf(root: Path) -> None:
     for part, chunks in files.items():
         (root / part).mkdir(parents=True)
         for i, users in enumerate(chunks):
-            d = {"users": list(users), "num_samples": list(users.values()),
-                 "user_data": {u: user(n) for u, n in users.items()}}
+            d = {
+                "users": list(users),
+                "num_samples": list(users.values()),
+                "user_data": {u: user(n) for u, n in users.items()},
+            }
             (root / part / f"all_data_{i}.json").write_text(json.dumps(d))
 
 

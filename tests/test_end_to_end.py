@@ -1,4 +1,5 @@
 """End to end through the real CLI: a server and device processes over loopback sockets."""
+
 import json
 import subprocess
 import sys
@@ -11,8 +12,9 @@ QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
 
 
 def flt(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def summary(run_dir: Path) -> dict:
@@ -22,8 +24,18 @@ def summary(run_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def fedavg_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fedavg")
-    res = flt("run", str(QUICKSTART), "--set", "methods=[fedavg]", "--set", "train.rounds=8",
-              "--set", "devices.processes=3", "--out", str(out))
+    res = flt(
+        "run",
+        str(QUICKSTART),
+        "--set",
+        "methods=[fedavg]",
+        "--set",
+        "train.rounds=8",
+        "--set",
+        "devices.processes=3",
+        "--out",
+        str(out),
+    )
     assert res.returncode == 0, res.stderr + res.stdout
     return out, res
 
@@ -63,8 +75,18 @@ def test_run_folder_holds_config_partition_metrics_and_plot(fedavg_run):
 
 def test_same_seed_gives_the_same_run(fedavg_run, tmp_path):
     out, _ = fedavg_run
-    res = flt("run", str(QUICKSTART), "--set", "methods=[fedavg]", "--set", "train.rounds=8",
-              "--set", "devices.processes=3", "--out", str(tmp_path))
+    res = flt(
+        "run",
+        str(QUICKSTART),
+        "--set",
+        "methods=[fedavg]",
+        "--set",
+        "train.rounds=8",
+        "--set",
+        "devices.processes=3",
+        "--out",
+        str(tmp_path),
+    )
     assert res.returncode == 0, res.stderr
     a = [json.loads(x)["acc_mean"] for x in (out / "fedavg" / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(x)["acc_mean"] for x in (tmp_path / "fedavg" / "metrics.jsonl").read_text().splitlines()]
@@ -72,8 +94,20 @@ def test_same_seed_gives_the_same_run(fedavg_run, tmp_path):
 
 
 def test_a_device_that_dies_mid_round_does_not_hang_the_server(tmp_path):
-    res = flt("run", str(QUICKSTART), "--set", "methods=[fedavg]", "--set", "train.rounds=5",
-              "--set", "devices.processes=2", "--set", "devices.crash={1: 3}", "--out", str(tmp_path))
+    res = flt(
+        "run",
+        str(QUICKSTART),
+        "--set",
+        "methods=[fedavg]",
+        "--set",
+        "train.rounds=5",
+        "--set",
+        "devices.processes=2",
+        "--set",
+        "devices.crash={1: 3}",
+        "--out",
+        str(tmp_path),
+    )
     assert res.returncode == 0, res.stderr
     s = summary(tmp_path)
     m = s["methods"]["fedavg"]
@@ -81,8 +115,8 @@ def test_a_device_that_dies_mid_round_does_not_hang_the_server(tmp_path):
     assert "device dev-1 lost" in res.stderr
     rows = [json.loads(x) for x in (tmp_path / "fedavg" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 5
-    assert rows[2]["returned"] < rows[2]["selected"]        # round 3 finished without dev-1's clients
-    assert all(r["n_eval"] == 10 for r in rows[2:])         # only dev-0's clients are evaluated after
+    assert rows[2]["returned"] < rows[2]["selected"]  # round 3 finished without dev-1's clients
+    assert all(r["n_eval"] == 10 for r in rows[2:])  # only dev-0's clients are evaluated after
     assert s["timing"]["device_exit_codes"]["dev-1"] == 3
 
 
@@ -90,9 +124,25 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_rounds_done(tmp_path):
     import signal
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "emulator.cli", "run", str(QUICKSTART), "--set",
-                             "methods=[fedavg]", "--set", "train.rounds=100000", "--out", str(tmp_path)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "emulator.cli",
+            "run",
+            str(QUICKSTART),
+            "--set",
+            "methods=[fedavg]",
+            "--set",
+            "train.rounds=100000",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = tmp_path / "fedavg" / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
@@ -114,20 +164,44 @@ def test_a_device_started_by_hand_joins_over_tcp(tmp_path):
     with socket.socket() as s:  # a free port for the server to bind
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    run = subprocess.Popen([sys.executable, "-m", "emulator.cli", "run", str(QUICKSTART),
-                            "--set", "methods=[fedavg]", "--set", "train.rounds=4",
-                            "--set", "devices.processes=1", "--set", "devices.external=1",
-                            "--set", f"devices.bind=tcp://127.0.0.1:{port}", "--out", str(tmp_path)],
-                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "emulator.cli",
+            "run",
+            str(QUICKSTART),
+            "--set",
+            "methods=[fedavg]",
+            "--set",
+            "train.rounds=4",
+            "--set",
+            "devices.processes=1",
+            "--set",
+            "devices.external=1",
+            "--set",
+            f"devices.bind=tcp://127.0.0.1:{port}",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(1.0)
-    by_hand = subprocess.Popen([sys.executable, "-m", "emulator.cli", "device", "--connect",
-                                f"tcp://127.0.0.1:{port}", "--name", "edge-1"],
-                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    by_hand = subprocess.Popen(
+        [sys.executable, "-m", "emulator.cli", "device", "--connect", f"tcp://127.0.0.1:{port}", "--name", "edge-1"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = run.communicate(timeout=300)
     assert run.returncode == 0, err
     assert "waiting for 1 external device(s)" in out
     by_hand.wait(timeout=60)
-    assert by_hand.returncode == 0   # the server told it to shut down
+    assert by_hand.returncode == 0  # the server told it to shut down
     assert "hosting 10 clients" in by_hand.stderr.read()
     m = summary(tmp_path)["methods"]["fedavg"]
     assert m["rounds"] == 4 and m["final_accuracy"] is not None and not m["lost_clients"]
@@ -136,8 +210,9 @@ def test_a_device_started_by_hand_joins_over_tcp(tmp_path):
 
 def test_every_method_runs_over_real_processes_and_matches_its_byte_formula(tmp_path):
     names = ["fedavg", "fedprox", "local", "pca_km_hc", "ifca", "fedsem", "cfl", "flt"]
-    res = flt("compare", str(QUICKSTART), "--methods", ",".join(names), "--set", "train.rounds=3",
-              "--out", str(tmp_path))
+    res = flt(
+        "compare", str(QUICKSTART), "--methods", ",".join(names), "--set", "train.rounds=3", "--out", str(tmp_path)
+    )
     assert res.returncode == 0, res.stderr
     methods = summary(tmp_path)["methods"]
     assert list(methods) == names
@@ -145,7 +220,7 @@ def test_every_method_runs_over_real_processes_and_matches_its_byte_formula(tmp_
         assert m["final_accuracy"] is not None and m["rounds"] == 3, name
         assert abs(m["bytes_vs_formula"] - 1.0) < 0.01, (name, m["expected"], m["formula_payload_bytes"])
     w, sel = methods["ifca"]["model_bytes"], methods["ifca"]["selections"]
-    assert methods["ifca"]["bytes_payload"]["down"]["model"] == 5 * w * sel   # C models to each
+    assert methods["ifca"]["bytes_payload"]["down"]["model"] == 5 * w * sel  # C models to each
     assert methods["ifca"]["bytes_payload"]["up"]["model"] == w * sel
     assert methods["local"]["bytes_payload"]["up"]["model"] == 0
     for line in ("method", "fedavg", "ifca", "flt"):

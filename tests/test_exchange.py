@@ -5,6 +5,7 @@ FLT on real device processes with phone-like profiles and checks that FLT's cloc
 1 leads FedAvg's by exactly the FCR exchange priced by hand (encoder down, embedding,
 centroids up), and that without profiles nothing about the run changes but the clock.
 """
+
 import json
 import subprocess
 import sys
@@ -28,9 +29,13 @@ MB = 1_000_000
 
 
 def phones(n: int, ms: float = 20.0, up_mbit: float = 1.0, down_mbit: float = 5.0, latency_ms: float = 50.0):
-    return Profiles(ms_per_sample=np.full(n, ms), up_bps=np.full(n, up_mbit * 1e6 / 8),
-                    down_bps=np.full(n, down_mbit * 1e6 / 8), latency_s=np.full(n, latency_ms / 1000),
-                    windows=[np.zeros((0, 2))] * n)
+    return Profiles(
+        ms_per_sample=np.full(n, ms),
+        up_bps=np.full(n, up_mbit * 1e6 / 8),
+        down_bps=np.full(n, down_mbit * 1e6 / 8),
+        latency_s=np.full(n, latency_ms / 1000),
+        windows=[np.zeros((0, 2))] * n,
+    )
 
 
 def test_a_one_off_exchange_waits_for_every_client_and_moves_the_clock():
@@ -58,19 +63,30 @@ def test_embedding_work_counts_forward_passes_and_fine_tuning_batches():
     reply = Message("centroids", 0, 1, meta={"n": 70})
     assert _embedded(frozen, reply) == (70.0, 0.0)
     assert _embedded(tuned, reply) == (70.0, 5 * 3 * 32)  # 3 batches of 32 per epoch, as training counts
-    assert _trained(Message("train", 1, 1, meta={"batch_size": 10}), Message("update", 1, 1, meta={"steps": 8})) \
-        == (0.0, 80.0)
+    assert _trained(Message("train", 1, 1, meta={"batch_size": 10}), Message("update", 1, 1, meta={"steps": 8})) == (
+        0.0,
+        80.0,
+    )
 
 
 def flt(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=900
+    )
 
 
-PHONES = ("population.profiles={distribution: {compute: {dist: constant, ms_per_sample: 20}, "
-          "network: [{share: 1.0, up_mbps: 1, down_mbps: 5}], latency_ms: {dist: constant, value: 50}}}")
-TINY = ["--set", "train.rounds=1", "--set", "devices.processes=1",
-        "--set", "methods=[fedavg, {name: flt, encoder: {dataset: public, epochs: 2}}]"]
+PHONES = (
+    "population.profiles={distribution: {compute: {dist: constant, ms_per_sample: 20}, "
+    "network: [{share: 1.0, up_mbps: 1, down_mbps: 5}], latency_ms: {dist: constant, value: 50}}}"
+)
+TINY = [
+    "--set",
+    "train.rounds=1",
+    "--set",
+    "devices.processes=1",
+    "--set",
+    "methods=[fedavg, {name: flt, encoder: {dataset: public, epochs: 2}}]",
+]
 
 
 def records(run: Path, label: str) -> list[dict]:
@@ -94,8 +110,7 @@ def test_fcr_is_priced_on_the_clock_and_nothing_else_changes(tmp_path):
     parts = np.load(priced / "partition.npz")
     n = np.diff(parts["train_offsets"]).max()
     k, latent = 5, 128
-    cost = (summary["fcr"]["encoder_bytes"] / (5e6 / 8) + 0.05 + n * 0.020
-            + k * latent * 4 / (1e6 / 8) + 0.05)
+    cost = summary["fcr"]["encoder_bytes"] / (5e6 / 8) + 0.05 + n * 0.020 + k * latent * 4 / (1e6 / 8) + 0.05
     assert fcr["duration_s"] == pytest.approx(cost)
     assert summary["fcr_emulated_s"] == pytest.approx(cost) and summary["fcr"]["emulated_s"] == pytest.approx(cost)
     # the same clients train the same bytes in round 1: FLT's clock leads by FCR alone
@@ -104,8 +119,10 @@ def test_fcr_is_priced_on_the_clock_and_nothing_else_changes(tmp_path):
 
     # without profiles: no clock anywhere, and the run itself is the same
     plain = records(bare, "flt")[0]
-    assert "emulated_s" not in plain and "fcr_emulated_s" not in \
-        json.loads((bare / "summary.json").read_text())["methods"]["flt"]
+    assert (
+        "emulated_s" not in plain
+        and "fcr_emulated_s" not in json.loads((bare / "summary.json").read_text())["methods"]["flt"]
+    )
     assert plain["bytes"] == flt1["bytes"] and plain["acc_mean"] == flt1["acc_mean"]
     (bare_fcr,) = [e for e in plain["events"] if e["kind"] == "exchange"]
     assert bare_fcr["bytes"] == fcr["bytes"] and "duration_s" not in bare_fcr
@@ -121,17 +138,34 @@ class PricedEmbedder:
 
     def embed(self, rnd, clients, tensors, meta, purpose="fcr") -> Exchange:
         rng = np.random.default_rng(rnd)
-        got = {int(c): (np.eye(8)[self.truth[c]] * 5 + 0.1 * rng.normal(size=(3, 8))).astype(np.float32)
-               for c in clients}
-        return Exchange(got, sorted(got), {"kind": "exchange", "exchange": purpose, "duration_s": self.seconds,
-                                           "bytes": {"down": {"encoder": self.nbytes}}})
+        got = {
+            int(c): (np.eye(8)[self.truth[c]] * 5 + 0.1 * rng.normal(size=(3, 8))).astype(np.float32) for c in clients
+        }
+        return Exchange(
+            got,
+            sorted(got),
+            {
+                "kind": "exchange",
+                "exchange": purpose,
+                "duration_s": self.seconds,
+                "bytes": {"down": {"encoder": self.nbytes}},
+            },
+        )
 
 
 def test_flt_reports_what_its_exchanges_cost_without_reading_the_ledger(tmp_path):
     truth = np.repeat(np.arange(3), 4)
-    ctx = Context(init=torch.zeros(6), n_clients=len(truth), n_train=np.full(len(truth), 50),
-                  device=torch.device("cpu"), seed=0, run_dir=tmp_path, truth=truth,
-                  train={"rounds": 10, "participation": 0.5}, scenario={"name": "hand"})
+    ctx = Context(
+        init=torch.zeros(6),
+        n_clients=len(truth),
+        n_train=np.full(len(truth), 50),
+        device=torch.device("cpu"),
+        seed=0,
+        run_dir=tmp_path,
+        truth=truth,
+        train={"rounds": 10, "participation": 0.5},
+        scenario={"name": "hand"},
+    )
     s = FLT(ctx, **parse_methods([{"name": "flt", "recluster_every": 2}])[0].params)
     s.encoder_payload = lambda: ({"onnx": np.zeros(4, np.uint8)}, {"format": "onnx"}, {})
     fed = PricedEmbedder(truth, seconds=7.5, nbytes=1234)  # no transport: FLT may not reach for one

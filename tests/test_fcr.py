@@ -1,5 +1,6 @@
 """FCR's server side on synthetic centroids with known structure: the set distances
 against a double loop, and clusterings that must not depend on the data's scale."""
+
 import dataclasses
 
 import numpy as np
@@ -35,7 +36,7 @@ def test_set_distances_equal_a_double_loop(kind, chunk):
     points = [rng.normal(size=(int(k), 3)) * 3 for k in rng.integers(1, 6, size=12)]
     assert len({len(p) for p in points}) > 1  # varying k: padding is exercised
     got = fcr.set_distance(points, kind, chunk=chunk)
-    assert np.isfinite(got).all()             # padding never leaks out as inf
+    assert np.isfinite(got).all()  # padding never leaks out as inf
     np.testing.assert_allclose(got, got.T)
     np.testing.assert_allclose(got, slow_distance(points, kind), rtol=1e-10, atol=1e-10)
 

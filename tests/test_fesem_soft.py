@@ -1,6 +1,7 @@
 """FeSEM with soft assignment (server/strategies/fesem_soft.py) and the shared M-step
 (cluster_average): the soft E-step's limit is FedSEM, a moderate temperature still
 separates the clusters, and the method learns on the quickstart over real processes."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 def ctx(tmp_path, truth) -> Context:
     g = torch.Generator().manual_seed(123)
     n = np.arange(M) % 4 + 3  # unequal sample counts: the weights matter
-    return Context(init=torch.randn(P, generator=g), n_clients=M, n_train=n, device=torch.device("cpu"),
-                   seed=0, run_dir=tmp_path, truth=truth, train={}, scenario={})
+    return Context(
+        init=torch.randn(P, generator=g),
+        n_clients=M,
+        n_train=n,
+        device=torch.device("cpu"),
+        seed=0,
+        run_dir=tmp_path,
+        truth=truth,
+        train={},
+        scenario={},
+    )
 
 
 def rounds(strategy, targets: torch.Tensor, n: np.ndarray, t: int = 12):
@@ -36,8 +46,7 @@ def rounds(strategy, targets: torch.Tensor, n: np.ndarray, t: int = 12):
     for rnd in range(1, t + 1):
         selected = np.sort(rng.choice(M, M // 2, replace=False))
         tasks = strategy.train_tasks(rnd, selected)
-        results = {c: Result(t.models[0] + 0.5 * (targets[c] - t.models[0]), int(n[c]), {})
-                   for c, t in tasks.items()}
+        results = {c: Result(t.models[0] + 0.5 * (targets[c] - t.models[0]), int(n[c]), {}) for c, t in tasks.items()}
         strategy.aggregate(rnd, results)
     return strategy
 
@@ -71,10 +80,15 @@ def test_a_moderate_temperature_is_soft_and_still_finds_the_clusters(problem):
     json.dumps(soft.summary())
 
 
-@pytest.mark.parametrize("params, what", [
-    ({"temperature": 0}, "temperature: 0"), ({"temperature": -1.0}, "temperature"),
-    ({"temperature": "warm"}, "temperature"), ({"temprature": 0.1}, "did you mean 'temperature'"),
-])
+@pytest.mark.parametrize(
+    "params, what",
+    [
+        ({"temperature": 0}, "temperature: 0"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": "warm"}, "temperature"),
+        ({"temprature": 0.1}, "did you mean 'temperature'"),
+    ],
+)
 def test_bad_parameters_are_refused_naming_the_field(problem, params, what):
     with pytest.raises(ConfigError, match=what):
         FeSEMSoft(problem[0], **params)
@@ -99,10 +113,26 @@ def test_cluster_average_with_hard_and_soft_responsibilities():
 
 @pytest.mark.slow
 def test_fesem_soft_learns_on_the_quickstart(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "emulator.cli", "run", str(ROOT / "scenarios/quickstart.yaml"),
-                          "--set", "methods=[fedavg, fesem_soft]", "--set", "train.rounds=10",
-                          "--set", "train.eval_every=10", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "emulator.cli",
+            "run",
+            str(ROOT / "scenarios/quickstart.yaml"),
+            "--set",
+            "methods=[fedavg, fesem_soft]",
+            "--set",
+            "train.rounds=10",
+            "--set",
+            "train.eval_every=10",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     methods = json.loads((tmp_path / "summary.json").read_text())["methods"]
     soft, avg = methods["fesem_soft"], methods["fedavg"]

@@ -1,5 +1,6 @@
 """FLT: FCR through the real CLI and device processes, its byte counts, and the
 server-side pieces (Case I aggregation, vectorized adjacency, Ward clustering) by hand."""
+
 import json
 import subprocess
 import sys
@@ -23,17 +24,18 @@ CLIENTS = 20
 
 
 def flt(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 # -- FCR end to end: the quickstart's fedavg + flt over two device processes --------------
 
+
 @pytest.fixture(scope="module")
 def quickstart_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("flt-quickstart")
-    res = flt("run", str(QUICKSTART), "--set", "train.rounds=3", "--set", "devices.processes=2",
-              "--out", str(out))
+    res = flt("run", str(QUICKSTART), "--set", "train.rounds=3", "--set", "devices.processes=2", "--out", str(out))
     assert res.returncode == 0, res.stderr + res.stdout
     return out, json.loads((out / "summary.json").read_text())
 
@@ -52,7 +54,9 @@ def test_flt_beats_fedavg_on_clustered_clients(quickstart_run):
     m = s["methods"]
     assert m["flt"]["rounds"] == m["fedavg"]["rounds"] == 3
     assert m["flt"]["final_accuracy"] > m["fedavg"]["final_accuracy"], (
-        m["flt"]["final_accuracy"], m["fedavg"]["final_accuracy"])
+        m["flt"]["final_accuracy"],
+        m["fedavg"]["final_accuracy"],
+    )
 
 
 def test_flt_run_folder_holds_fcr_figures_and_arrays(quickstart_run):
@@ -79,8 +83,7 @@ def test_onnx_encoder_bytes_are_counted_once_per_client(quickstart_run):
     assert f["centroids_sent"] >= CLIENTS  # at least one centroid per client (k: auto)
     # M*W_enc + k*M*e + 2*rho*M*W_local*T, with rho*M*T the selections made
     assert m["selections"] == 0.5 * CLIENTS * 3
-    expected = (CLIENTS * f["encoder_bytes"] + f["centroids_sent"] * 128 * 4
-                + 2 * m["selections"] * m["model_bytes"])
+    expected = CLIENTS * f["encoder_bytes"] + f["centroids_sent"] * 128 * 4 + 2 * m["selections"] * m["model_bytes"]
     assert m["expected"]["bytes"] == expected
     assert pay["up"]["model"] + pay["down"]["model"] == 2 * m["selections"] * m["model_bytes"]
     assert m["bytes_vs_formula"] == 1.0
@@ -94,10 +97,17 @@ SELECTED = [1, 3, 4, 7, 8]
 
 def make_ctx(tmp_path) -> Context:
     g = torch.Generator().manual_seed(0)
-    return Context(init=torch.randn(P, generator=g), n_clients=M,
-                   n_train=np.random.default_rng(0).integers(20, 200, M), device=torch.device("cpu"),
-                   seed=0, run_dir=tmp_path, truth=-np.ones(M, dtype=np.int64),
-                   train={"rounds": 1, "participation": 0.5}, scenario={"name": "hand"})
+    return Context(
+        init=torch.randn(P, generator=g),
+        n_clients=M,
+        n_train=np.random.default_rng(0).integers(20, 200, M),
+        device=torch.device("cpu"),
+        seed=0,
+        run_dir=tmp_path,
+        truth=-np.ones(M, dtype=np.int64),
+        train={"rounds": 1, "participation": 0.5},
+        scenario={"name": "hand"},
+    )
 
 
 def case1(ctx: Context, graph: np.ndarray) -> FLT:
@@ -119,8 +129,9 @@ def test_case1_with_all_ones_graph_is_fedavg(tmp_path):
     s = case1(ctx, np.ones((M, M)))
     results = results_for(SELECTED)
     s.aggregate(1, results)
-    avg = weighted_average(torch.stack([results[c].model for c in SELECTED]),
-                           torch.tensor([float(results[c].n) for c in SELECTED]))
+    avg = weighted_average(
+        torch.stack([results[c].model for c in SELECTED]), torch.tensor([float(results[c].n) for c in SELECTED])
+    )
     fedavg = FedAvg(ctx)
     fedavg.aggregate(1, results)
     assert s.models.shape == (M, P)
@@ -176,6 +187,7 @@ def test_case1_with_soft_weights_matches_a_hand_computation(tmp_path):
 
 # -- unassigned clients and dynamic FLT, server side ------------------------------------------
 
+
 class Embedder:
     """Stands in for the federation's embed call (the real one is exercised end to end
     above): every client answers with centroids near its planted cluster's centre,
@@ -189,16 +201,27 @@ class Embedder:
         clients = [int(c) for c in clients]
         self.calls.append((rnd, clients))
         rng = np.random.default_rng(rnd)
-        got = {c: (np.eye(8)[self.truth[c]] * 5 + 0.1 * rng.normal(size=(3, 8))).astype(np.float32)
-               for c in clients if c not in self.silent}
+        got = {
+            c: (np.eye(8)[self.truth[c]] * 5 + 0.1 * rng.normal(size=(3, 8))).astype(np.float32)
+            for c in clients
+            if c not in self.silent
+        }
         return Exchange(got, sorted(got), {"bytes": {}})
 
 
 def clustered_flt(tmp_path, silent=(), **params) -> tuple[FLT, Embedder]:
     truth = np.repeat(np.arange(3), 4)
-    ctx = Context(init=torch.zeros(P), n_clients=len(truth), n_train=np.full(len(truth), 50),
-                  device=torch.device("cpu"), seed=0, run_dir=tmp_path, truth=truth,
-                  train={"rounds": 10, "participation": 0.5}, scenario={"name": "hand"})
+    ctx = Context(
+        init=torch.zeros(P),
+        n_clients=len(truth),
+        n_train=np.full(len(truth), 50),
+        device=torch.device("cpu"),
+        seed=0,
+        run_dir=tmp_path,
+        truth=truth,
+        train={"rounds": 10, "participation": 0.5},
+        scenario={"name": "hand"},
+    )
     s = FLT(ctx, **parse_methods([{"name": "flt", **params}])[0].params)
     s.encoder_payload = lambda: ({"onnx": np.zeros(4, np.uint8)}, {"format": "onnx"}, {})
     fed = Embedder(truth, silent)
@@ -234,14 +257,14 @@ def test_every_outstanding_flag_re_embeds_and_none_is_stranded(tmp_path):
     s, fed = clustered_flt(tmp_path, recluster_flags=2, flag_patience=3)
     flag = {"flag": True}
     s.observe(1, {c: Result(None, 50, flag) for c in (0, 1)})
-    assert s.maintain(1, fed) == []                     # 2 flags: not more than lambda
+    assert s.maintain(1, fed) == []  # 2 flags: not more than lambda
     s.observe(2, {4: Result(None, 50, flag)})
-    (event,) = s.maintain(2, fed)                       # 3 > 2: every outstanding flag re-embeds
+    (event,) = s.maintain(2, fed)  # 3 > 2: every outstanding flag re-embeds
     assert event["cause"] == "flags" and event["clients"] == [0, 1, 4]
     assert fed.calls[-1] == (2, [0, 1, 4]) and not s.flag_round
-    s.observe(3, {7: Result(None, 50, flag)})           # one flag alone: below lambda ...
+    s.observe(3, {7: Result(None, 50, flag)})  # one flag alone: below lambda ...
     assert s.maintain(4, fed) == [] and s.maintain(5, fed) == []
-    (event,) = s.maintain(6, fed)                       # ... until it has waited flag_patience rounds
+    (event,) = s.maintain(6, fed)  # ... until it has waited flag_patience rounds
     assert event["cause"] == "patience" and event["clients"] == [7]
     causes = [r["cause"] for r in s.fcr_reports]
     assert causes == ["initial", "flags", "patience"]

@@ -2,6 +2,7 @@
 while a hostile peer (tests/fuzz_peer.py) sends random and mutated frames and the
 crafted cases of issue 9. The run must complete, count every message the peer sent by
 reason, and report exactly what a clean run with the same seed reports."""
+
 import json
 import socket
 import subprocess
@@ -13,8 +14,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 ROUNDS = 16  # long enough after round 1 for the server to read all the peer sends
 # wall-clock by nature, and the rejection counts, which are the point of the fuzzed run
-UNEQUAL = {"timing", "train_s", "eval_s", "wall_s", "setup_s", "s_per_round", "eval_s_per_round",
-           "rejected_messages", "rejected_bytes", "rejected_reasons"}
+UNEQUAL = {
+    "timing",
+    "train_s",
+    "eval_s",
+    "wall_s",
+    "setup_s",
+    "s_per_round",
+    "eval_s_per_round",
+    "rejected_messages",
+    "rejected_bytes",
+    "rejected_reasons",
+}
 
 
 def _free_port() -> int:
@@ -25,10 +36,26 @@ def _free_port() -> int:
 
 def _run(out: Path, port: int) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "emulator.cli", "run", str(REPO / "scenarios" / "quickstart.yaml"),
-         "--set", "methods=[fedavg]", "--set", f"train.rounds={ROUNDS}",
-         "--set", f"devices.bind=tcp://127.0.0.1:{port}", "--out", str(out)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "emulator.cli",
+            "run",
+            str(REPO / "scenarios" / "quickstart.yaml"),
+            "--set",
+            "methods=[fedavg]",
+            "--set",
+            f"train.rounds={ROUNDS}",
+            "--set",
+            f"devices.bind=tcp://127.0.0.1:{port}",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _results(out: Path) -> tuple[dict, list[dict]]:
@@ -43,10 +70,24 @@ def fuzzed(tmp_path_factory):
     out, port = tmp_path_factory.mktemp("fuzzed"), _free_port()
     report = out.parent / "fuzz_report.json"
     run = _run(out, port)
-    peer = subprocess.Popen([sys.executable, str(REPO / "tests" / "fuzz_peer.py"), f"tcp://127.0.0.1:{port}",
-                             str(report), "--after", str(out / "fedavg" / "metrics.jsonl"),
-                             "--random", "1000", "--mutated", "1000"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peer = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "tests" / "fuzz_peer.py"),
+            f"tcp://127.0.0.1:{port}",
+            str(report),
+            "--after",
+            str(out / "fedavg" / "metrics.jsonl"),
+            "--random",
+            "1000",
+            "--mutated",
+            "1000",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     log, _ = run.communicate(timeout=600)
     peer_log, _ = peer.communicate(timeout=120)
     assert run.returncode == 0, log[-3000:]

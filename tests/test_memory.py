@@ -1,5 +1,6 @@
 """Memory: device processes on one host share one read-only copy of each dataset (a
 memory-mapped uint8 .npy cache), and a client's shard keeps indices, never float images."""
+
 import dataclasses
 from pathlib import Path
 
@@ -71,10 +72,16 @@ def test_two_device_processes_map_the_same_cache_file(tmp_path):
     try:
         fleet.start(2)
         devices = fleet.wait(transport, 60)
-        partition = Partition(train=[np.arange(i, 400, 4) for i in range(4)],
-                              test=[np.arange(i, 100, 4) for i in range(4)], cluster=np.zeros(4, np.int64))
-        meta = {"dataset": {"name": "digits", "root": None, "download": False}, "accelerator": "cpu",
-                "model": {"name": "mlp", "in_shape": [1, 28, 28], "num_classes": 10}}
+        partition = Partition(
+            train=[np.arange(i, 400, 4) for i in range(4)],
+            test=[np.arange(i, 100, 4) for i in range(4)],
+            cluster=np.zeros(4, np.int64),
+        )
+        meta = {
+            "dataset": {"name": "digits", "root": None, "download": False},
+            "accelerator": "cpu",
+            "model": {"name": "mlp", "in_shape": [1, 28, 28], "num_classes": 10},
+        }
         assign_clients(transport, partition, devices, meta, 60, np.arange(4))
         maps = [_mapped_files(fleet.procs[d].pid) for d in devices]
         shared = str(cache_dir() / "shared")

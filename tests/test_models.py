@@ -1,4 +1,5 @@
 """Tests for models/: classifiers, flat parameter vectors, ConvAE and its ONNX encoder."""
+
 from __future__ import annotations
 
 import gzip
@@ -23,6 +24,7 @@ SHAPES = {
 
 
 # ---------------------------------------------------------------- nets
+
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 @pytest.mark.parametrize("ds", list(SHAPES))
@@ -63,6 +65,7 @@ def test_unknown_model():
 
 
 # ---------------------------------------------------------------- flat
+
 
 def test_flatten_roundtrip():
     torch.manual_seed(0)
@@ -145,6 +148,7 @@ def test_vmap_functional_call_matches_separate_modules(name):
 
 # ---------------------------------------------------------------- ConvAE
 
+
 @pytest.mark.parametrize("in_shape", [(1, 28, 28), (3, 32, 32)])
 def test_convae_shapes(in_shape):
     torch.manual_seed(0)
@@ -178,7 +182,7 @@ def _mnist_images(n: int) -> np.ndarray:
     with gzip.open(MNIST_DIR / "train-images-idx3-ubyte.gz", "rb") as fh:
         raw = fh.read()
     assert int.from_bytes(raw[:4], "big") == 2051  # IDX magic for uint8 3-D images
-    count, rows, cols = (int.from_bytes(raw[i:i + 4], "big") for i in (4, 8, 12))
+    count, rows, cols = (int.from_bytes(raw[i : i + 4], "big") for i in (4, 8, 12))
     imgs = np.frombuffer(raw, dtype=np.uint8, offset=16).reshape(count, rows, cols)
     return (imgs[:n].astype(np.float32) / 255.0)[:, None]
 

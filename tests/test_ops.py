@@ -1,6 +1,7 @@
 """The device-side operation registry (devices/ops.py): a method's client step is looked
 up by name, travels as a generic task over a real socket, and an unknown one is refused
 with a reply that names it."""
+
 import logging
 import threading
 from types import SimpleNamespace
@@ -45,10 +46,15 @@ def test_the_built_in_kinds_keep_their_names_and_a_task_names_its_op():
     assert ops.op_name(Message("task", meta={"op": "choose"})) == "choose"
 
 
-@pytest.mark.parametrize("meta, what", [
-    ({}, "needs meta 'op'"), ({"op": 3}, "needs meta 'op'"), ({"op": "x" * 41}, "needs meta 'op'"),
-    ({"op": "choose", "traffic": "gossip"}, "meta 'traffic' must be one of"),
-])
+@pytest.mark.parametrize(
+    "meta, what",
+    [
+        ({}, "needs meta 'op'"),
+        ({"op": 3}, "needs meta 'op'"),
+        ({"op": "x" * 41}, "needs meta 'op'"),
+        ({"op": "choose", "traffic": "gossip"}, "meta 'traffic' must be one of"),
+    ],
+)
 def test_a_generic_task_without_a_valid_op_or_traffic_class_does_not_travel(meta, what):
     with pytest.raises(ProtocolError, match=what):
         encode(Message("task", meta=meta))
@@ -90,8 +96,10 @@ def served_device():
 def test_a_new_op_travels_as_a_task_and_answers_over_a_real_socket(served_device):
     server, dev, w0 = served_device
     candidates = torch.stack([w0, w0 * 0.5, w0 + 0.01 * torch.randn_like(w0)]).numpy()
-    msgs = {c: Message("task", 1, c, tensors={"model": candidates}, meta={"op": "choose", "traffic": "model"})
-            for c in (4, 7)}
+    msgs = {
+        c: Message("task", 1, c, tensors={"model": candidates}, meta={"op": "choose", "traffic": "model"})
+        for c in (4, 7)
+    }
     # the path a strategy takes: the federation's one exchange call, reported as an event
     fed = Federation(server, {}, seed=0, timeout_s=30, device=torch.device("cpu"))
     ex = fed.exchange("choose", 1, msgs, "result")

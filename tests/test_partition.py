@@ -1,4 +1,5 @@
 """Partitioners: disjointness, class layouts, shortages, determinism, persistence."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,8 +23,10 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 def labels(per_class_train=700, per_class_test=200, k=10, seed=0):
     rng = np.random.default_rng(seed)
-    return (rng.permutation(np.repeat(np.arange(k), per_class_train)),
-            rng.permutation(np.repeat(np.arange(k), per_class_test)))
+    return (
+        rng.permutation(np.repeat(np.arange(k), per_class_train)),
+        rng.permutation(np.repeat(np.arange(k), per_class_test)),
+    )
 
 
 def assert_disjoint(p: Partition, n_train: int, n_test: int) -> None:
@@ -41,8 +44,15 @@ def assert_test_classes_within_train(p, y_tr, y_te):
 
 
 def s1(y_tr, y_te, seed=0, **kw):
-    args = dict(n_clients=20, n_clusters=5, classes_per_cluster=2, shared_classes=0,
-                samples_per_client=200, test_per_client=40, rng=np.random.default_rng(seed))
+    args = dict(
+        n_clients=20,
+        n_clusters=5,
+        classes_per_cluster=2,
+        shared_classes=0,
+        samples_per_client=200,
+        test_per_client=40,
+        rng=np.random.default_rng(seed),
+    )
     args.update(kw)
     return partition_clusters(y_tr, y_te, **args)
 
@@ -86,8 +96,9 @@ def test_s1_disjoint_clusters_exact_classes():
 def test_s2_rings_share_one_class_with_neighbours():
     y_tr, y_te = labels()
     p = s1(y_tr, y_te, classes_per_cluster=3, shared_classes=1, samples_per_client=150)
-    cls = {c: set(y_tr[np.concatenate([p.train[m] for m in np.flatnonzero(p.cluster == c)])].tolist())
-           for c in range(5)}
+    cls = {
+        c: set(y_tr[np.concatenate([p.train[m] for m in np.flatnonzero(p.cluster == c)])].tolist()) for c in range(5)
+    }
     for c in range(5):
         assert len(cls[c]) == 3
         assert len(cls[c] & cls[(c + 1) % 5]) == 1  # neighbours share exactly one class
@@ -115,8 +126,14 @@ def test_mnist_s1_class5_short():
     from scenarios.datasets import load_dataset
 
     tr, te = load_dataset("mnist", mnist, train=True), load_dataset("mnist", mnist, train=False)
-    kw = dict(n_clients=100, n_clusters=5, classes_per_cluster=2, shared_classes=0,
-              samples_per_client=600, test_per_client=100)
+    kw = dict(
+        n_clients=100,
+        n_clusters=5,
+        classes_per_cluster=2,
+        shared_classes=0,
+        samples_per_client=600,
+        test_per_client=100,
+    )
     p = partition_clusters(tr.y, te.y, rng=np.random.default_rng(0), **kw)
     holders5 = np.flatnonzero(p.cluster == 2)
     got5 = np.array([(tr.y[p.train[m]] == 5).sum() for m in holders5])
@@ -184,8 +201,9 @@ def test_dirichlet_no_duplicates_exact_sizes():
     assert partition_dirichlet(y_tr, y_te, rng=np.random.default_rng(0), **kw) == p
     assert partition_dirichlet(y_tr, y_te, rng=np.random.default_rng(1), **kw) != p
     with pytest.raises(PartitionError, match="available"):
-        partition_dirichlet(y_tr, y_te, rng=np.random.default_rng(0), n_clients=40, alpha=1.0,
-                            samples_per_client=200, test_per_client=0)
+        partition_dirichlet(
+            y_tr, y_te, rng=np.random.default_rng(0), n_clients=40, alpha=1.0, samples_per_client=200, test_per_client=0
+        )
 
 
 # ----------------------------------------------------------------------------- S4
@@ -216,8 +234,18 @@ def test_structured_sizes_sum_and_skew():
 def test_structured_disjoint_clusters_and_exclude():
     y_tr, y_te = labels(per_class_train=100, per_class_test=20, k=62)
     ex = np.arange(0, len(y_tr), 5)
-    p = partition_structured(y_tr, y_te, n_clients=20, n_clusters=10, classes_per_cluster=5, alpha=1,
-                             delta=1.0, test_per_client=5, rng=np.random.default_rng(0), exclude=ex)
+    p = partition_structured(
+        y_tr,
+        y_te,
+        n_clients=20,
+        n_clusters=10,
+        classes_per_cluster=5,
+        alpha=1,
+        delta=1.0,
+        test_per_client=5,
+        rng=np.random.default_rng(0),
+        exclude=ex,
+    )
     assert not np.isin(np.concatenate(p.train), ex).any()
     assert_disjoint(p, len(y_tr), len(y_te))
     # 62 classes, 10 clusters: step 6, clusters disjoint, so a cluster gets every
@@ -229,8 +257,17 @@ def test_structured_disjoint_clusters_and_exclude():
         own = np.isin(y_tr, np.arange(6 * c, 6 * c + 5)) & kept
         assert sum(len(p.train[m]) for m in members) == own.sum()
     with pytest.raises(PartitionError):
-        partition_structured(y_tr, y_te, n_clients=20, n_clusters=10, classes_per_cluster=5, alpha=500,
-                             delta=1.0, test_per_client=5, rng=np.random.default_rng(0))
+        partition_structured(
+            y_tr,
+            y_te,
+            n_clients=20,
+            n_clusters=10,
+            classes_per_cluster=5,
+            alpha=500,
+            delta=1.0,
+            test_per_client=5,
+            rng=np.random.default_rng(0),
+        )
 
 
 # ----------------------------------------------------------------------------- S3

@@ -1,6 +1,7 @@
 """The emulated population: availability-aware sampling, deadlines, over-commitment,
 arrival and drift schedules, FLT's re-clustering trigger, and a newcomer process joining
 a live run."""
+
 import json
 import subprocess
 import sys
@@ -23,9 +24,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def profiles(m, ms=10.0, windows=None, mbps=8.0):
-    return Profiles(ms_per_sample=np.full(m, ms), up_bps=np.full(m, mbps * 1e6 / 8),
-                    down_bps=np.full(m, mbps * 1e6 / 8), latency_s=np.zeros(m),
-                    windows=windows or [np.zeros((0, 2))] * m, period_s=None)
+    return Profiles(
+        ms_per_sample=np.full(m, ms),
+        up_bps=np.full(m, mbps * 1e6 / 8),
+        down_bps=np.full(m, mbps * 1e6 / 8),
+        latency_s=np.zeros(m),
+        windows=windows or [np.zeros((0, 2))] * m,
+        period_s=None,
+    )
 
 
 def test_an_offline_device_is_never_selected():
@@ -33,7 +39,7 @@ def test_an_offline_device_is_never_selected():
     windows = [np.zeros((0, 2))] * m
     offline = [1, 4, 7]
     for c in offline:  # online only later in the run
-        windows = [*windows[:c], np.array([[1000.0, 2000.0]]), *windows[c + 1:]]
+        windows = [*windows[:c], np.array([[1000.0, 2000.0]]), *windows[c + 1 :]]
     pop = Population(m, rho=1.0, seed=0, profiles=profiles(m, windows=windows), sampling="available")
     for rnd in range(1, 20):
         chosen = pop.select(rnd, np.arange(m))
@@ -54,7 +60,7 @@ def test_a_straggler_past_the_deadline_is_dropped():
     steps = np.array([10, 60, 61, 70])
     kept, clock = pop.price("train", np.arange(m), 1_000_000, 1_000_000, 0, 10 * steps)  # batch 10
     assert sorted(kept.tolist()) == [0, 1]  # 5 s, 20 s (exactly at the deadline counts)
-    assert clock["stragglers"] == 2         # 20.3 s and 23 s
+    assert clock["stragglers"] == 2  # 20.3 s and 23 s
     assert clock["duration_s"] == pytest.approx(20.0) and clock["emulated_s"] == pytest.approx(20.0)
 
 
@@ -77,8 +83,12 @@ def test_same_draws_for_every_method_and_seed_dependence():
 
 def test_schedule_withholds_a_cluster_and_swaps_without_duplicates():
     truth = np.repeat(np.arange(4), 5)
-    cfg = {"population": {"newcomers": [{"round": 5, "cluster": 3}],
-                          "drift": [{"round": 8, "clients": [0, 1], "to_cluster": 2}]}}
+    cfg = {
+        "population": {
+            "newcomers": [{"round": 5, "cluster": 3}],
+            "drift": [{"round": 8, "clients": [0, 1], "to_cluster": 2}],
+        }
+    }
     sched = schedule_from(cfg, truth)
     assert sched.arrivals[5].tolist() == [15, 16, 17, 18, 19]
     pairs = [(c["client"], c["partner"]) for c in sched.drift[8]]
@@ -97,12 +107,21 @@ def test_an_event_reached_without_its_callback_says_which():
 
 def test_recluster_fires_exactly_when_flags_pass_lambda(tmp_path, monkeypatch):
     m, p = 8, 6
-    ctx = Context(init=torch.zeros(p), n_clients=m, n_train=np.ones(m, dtype=np.int64),
-                  device=torch.device("cpu"), seed=0, run_dir=tmp_path, truth=np.full(m, -1),
-                  train={}, scenario={})
+    ctx = Context(
+        init=torch.zeros(p),
+        n_clients=m,
+        n_train=np.ones(m, dtype=np.int64),
+        device=torch.device("cpu"),
+        seed=0,
+        run_dir=tmp_path,
+        truth=np.full(m, -1),
+        train={},
+        scenario={},
+    )
     params = parse_methods([{"name": "flt", "recluster_flags": 2}])[0].params
     flt = FLT(ctx, **params)
     calls = []
+
     def embed(fed, who, rnd, purpose):  # every client answers: its outstanding flag is cleared
         calls.append(("embed", list(who)))
         for c in who:
@@ -120,8 +139,8 @@ def test_recluster_fires_exactly_when_flags_pass_lambda(tmp_path, monkeypatch):
         return flt.maintain(rnd, fed)
 
     assert round_with_flags(1, {0}) == []
-    assert round_with_flags(2, {1}) == []          # 2 flags: not more than lambda = 2
-    events = round_with_flags(3, {2})              # the third flag passes lambda
+    assert round_with_flags(2, {1}) == []  # 2 flags: not more than lambda = 2
+    events = round_with_flags(3, {2})  # the third flag passes lambda
     assert [e["cause"] for e in events] == ["flags"] and events[0]["clients"] == [0, 1, 2]
     assert calls == [("embed", [0, 1, 2]), ("relate", "-round3")]
     assert round_with_flags(4, set()) == [] and not flt.flag_round
@@ -131,11 +150,26 @@ def test_recluster_fires_exactly_when_flags_pass_lambda(tmp_path, monkeypatch):
 def dynamic_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("dynamic")
     res = subprocess.run(
-        [sys.executable, "-m", "emulator.cli", "run", "scenarios/dynamic_digits.yaml", "--out", str(out),
-         "--set", "train.rounds=12", "--set", "population.drift=[{round: 11, clients: [0, 1, 2], to_cluster: 2}]",
-         "--set", "methods=[{name: flt, encoder: {dataset: public, epochs: 100},"
-                  " newcomers: recluster, recluster_flags: 0}]"],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "emulator.cli",
+            "run",
+            "scenarios/dynamic_digits.yaml",
+            "--out",
+            str(out),
+            "--set",
+            "train.rounds=12",
+            "--set",
+            "population.drift=[{round: 11, clients: [0, 1, 2], to_cluster: 2}]",
+            "--set",
+            "methods=[{name: flt, encoder: {dataset: public, epochs: 100}, newcomers: recluster, recluster_flags: 0}]",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr + res.stdout
     rows = [json.loads(x) for x in (out / "flt" / "metrics.jsonl").read_text().splitlines()]
     return out, rows, json.loads((out / "summary.json").read_text())
@@ -143,8 +177,8 @@ def dynamic_run(tmp_path_factory):
 
 def test_newcomers_join_as_a_new_process_get_a_model_and_are_evaluated(dynamic_run):
     out, rows, summary = dynamic_run
-    assert [r["n_eval"] for r in rows[:9]] == [20] * 9          # cluster 4 withheld
-    assert all(r["n_eval"] == 25 for r in rows[9:])               # joined at round 10
+    assert [r["n_eval"] for r in rows[:9]] == [20] * 9  # cluster 4 withheld
+    assert all(r["n_eval"] == 25 for r in rows[9:])  # joined at round 10
     arrival = next(e for e in rows[9]["events"] if e["kind"] == "arrival")
     assert arrival["clients"] == [20, 21, 22, 23, 24] and arrival["placement"] == "recluster"
     assert "acc_newcomers" not in rows[8] and "acc_newcomers" in rows[9]  # apart from the incumbents
@@ -182,29 +216,42 @@ def test_label_swap_drift_trades_two_labels_on_the_device_and_raises_the_flag():
     dev.on_drift(Message("drift", client=7, meta={"label_swap": [0, 1]}, tensors={"train": idx, "test": idx}))
     assert dev.shards[7].y.tolist() == [1, 0, 2, 0, 1] and dev.shards[7].y_test.tolist() == [1, 0, 2, 0, 1]
     assert 7 in dev.flags
-    dev.on_drift(Message("drift", client=7, meta={"label_swap": [0, 1], "flag": False},
-                         tensors={"train": idx, "test": idx}))
+    dev.on_drift(
+        Message("drift", client=7, meta={"label_swap": [0, 1], "flag": False}, tensors={"train": idx, "test": idx})
+    )
     assert dev.shards[7].y.tolist() == y.tolist() and 7 not in dev.flags
     dev.sock.close(linger=0)
 
 
 def test_schedule_swap_labels():
-    sched = schedule_from({"population": {"drift": [{"round": 3, "clients": [4, 5], "kind": "swap_labels",
-                                                      "labels": [1, 2]}]}}, np.zeros(10, dtype=int))
-    assert sched.drift[3] == [{"kind": "swap_labels", "client": 4, "labels": [1, 2]},
-                              {"kind": "swap_labels", "client": 5, "labels": [1, 2]}]
+    sched = schedule_from(
+        {"population": {"drift": [{"round": 3, "clients": [4, 5], "kind": "swap_labels", "labels": [1, 2]}]}},
+        np.zeros(10, dtype=int),
+    )
+    assert sched.drift[3] == [
+        {"kind": "swap_labels", "client": 4, "labels": [1, 2]},
+        {"kind": "swap_labels", "client": 5, "labels": [1, 2]},
+    ]
 
 
 def test_server_side_monitor_flags_a_client_whose_update_turns_away(tmp_path):
     m, p = 6, 5
-    ctx = Context(init=torch.zeros(p), n_clients=m, n_train=np.ones(m, dtype=np.int64),
-                  device=torch.device("cpu"), seed=0, run_dir=tmp_path, truth=np.full(m, -1),
-                  train={}, scenario={})
+    ctx = Context(
+        init=torch.zeros(p),
+        n_clients=m,
+        n_train=np.ones(m, dtype=np.int64),
+        device=torch.device("cpu"),
+        seed=0,
+        run_dir=tmp_path,
+        truth=np.full(m, -1),
+        train={},
+        scenario={},
+    )
     flt = FLT(ctx, **parse_methods([{"name": "flt", "monitor_cosine": 0.0, "recluster_flags": 0}])[0].params)
     flt.labels = np.zeros(m, dtype=np.int64)
     v = torch.tensor([1.0, 2.0, 0.5, -1.0, 0.3])
     updates = {c: v + 0.05 * c for c in range(m)}
-    updates[4] = -v                                   # its data changed: it pulls the other way
+    updates[4] = -v  # its data changed: it pulls the other way
     flt.aggregate(1, {c: Result(u, 1, {"flag": 0}) for c, u in updates.items()})
     assert set(flt.flag_round) == {4} and flt.monitored == {4}
     fed = SimpleNamespace(present=np.arange(m), transport=SimpleNamespace(ledger=Ledger()))
@@ -215,14 +262,32 @@ def test_server_side_monitor_flags_a_client_whose_update_turns_away(tmp_path):
 
 def test_realtime_mode_makes_devices_wait_and_the_deadline_drops_them_for_real(tmp_path):
     res = subprocess.run(
-        [sys.executable, "-m", "emulator.cli", "run", "scenarios/quickstart.yaml", "--out", str(tmp_path),
-         "--set", "methods=[fedavg]", "--set", "train.rounds=4", "--set", "population.realtime=0.05",
-         "--set", "population.deadline_s=10",
-         "--set", "population.profiles={distribution: {compute: {dist: lognormal, median_ms_per_sample: 40, "
-                  "sigma: 1.0}}}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "emulator.cli",
+            "run",
+            "scenarios/quickstart.yaml",
+            "--out",
+            str(tmp_path),
+            "--set",
+            "methods=[fedavg]",
+            "--set",
+            "train.rounds=4",
+            "--set",
+            "population.realtime=0.05",
+            "--set",
+            "population.deadline_s=10",
+            "--set",
+            "population.profiles={distribution: {compute: {dist: lognormal, median_ms_per_sample: 40, sigma: 1.0}}}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr
     rows = [json.loads(x) for x in (tmp_path / "fedavg" / "metrics.jsonl").read_text().splitlines()]
-    assert sum(r["selected"] - r["returned"] for r in rows) > 0      # late replies never counted
-    assert "did not answer within 0" in res.stderr                    # the real 0.5 s deadline
+    assert sum(r["selected"] - r["returned"] for r in rows) > 0  # late replies never counted
+    assert "did not answer within 0" in res.stderr  # the real 0.5 s deadline
     assert all(r["round_s"] <= 10.0 + 1e-9 for r in rows)

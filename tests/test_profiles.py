@@ -175,7 +175,8 @@ class TestDistribution:
 
     def test_lognormal_median(self):
         p = profiles_from_distribution(
-            20_000, {"compute": {"dist": "lognormal", "median_ms_per_sample": 30.0, "sigma": 0.5}},
+            20_000,
+            {"compute": {"dist": "lognormal", "median_ms_per_sample": 30.0, "sigma": 0.5}},
             np.random.default_rng(0),
         )
         assert abs(np.median(p.ms_per_sample) / 30.0 - 1) < 0.03
@@ -183,7 +184,8 @@ class TestDistribution:
         d = profiles_from_distribution(20_000, {}, np.random.default_rng(0))
         assert abs(np.median(d.ms_per_sample) / 20.0 - 1) < 0.03
         lat = profiles_from_distribution(
-            20_000, {"latency_ms": {"dist": "lognormal", "median_ms": 80, "sigma": 0.3}},
+            20_000,
+            {"latency_ms": {"dist": "lognormal", "median_ms": 80, "sigma": 0.3}},
             np.random.default_rng(3),
         ).latency_s
         assert abs(np.median(lat) / 0.080 - 1) < 0.03
@@ -204,8 +206,7 @@ class TestDistribution:
         assert abs(slow.mean() - 0.25) < 0.02
 
     def test_availability_windows_fraction(self):
-        spec = {"availability": {"dist": "windows", "online_fraction": 0.7, "period_s": 3600,
-                                 "windows_per_period": 3}}
+        spec = {"availability": {"dist": "windows", "online_fraction": 0.7, "period_s": 3600, "windows_per_period": 3}}
         p = profiles_from_distribution(400, spec, np.random.default_rng(5))
         q = profiles_from_distribution(400, spec, np.random.default_rng(5))
         assert p.period_s == 3600.0
@@ -219,8 +220,8 @@ class TestDistribution:
         # periodic: same pattern an hour later
         assert p.online(np.arange(400), 100.0).tolist() == p.online(np.arange(400), 3700.0).tolist()
         full = profiles_from_distribution(
-            10, {"availability": {"dist": "windows", "online_fraction": 1.0}},
-            np.random.default_rng(0))
+            10, {"availability": {"dist": "windows", "online_fraction": 1.0}}, np.random.default_rng(0)
+        )
         assert full.always_online.all()
 
     @pytest.mark.parametrize(
@@ -280,8 +281,9 @@ class TestTraceFiles:
 
     def test_csv_period_directive(self, tmp_path):
         f = tmp_path / "t.csv"
-        f.write_text("# comment\n#period_s = 100\nclient,ms_per_sample,up_kbps,down_kbps,latency_ms,windows\n"
-                     "0,1,1,1,1,0-10\n")
+        f.write_text(
+            "# comment\n#period_s = 100\nclient,ms_per_sample,up_kbps,down_kbps,latency_ms,windows\n0,1,1,1,1,0-10\n"
+        )
         p = load_trace(f)
         assert p.period_s == 100.0 and p.online([0], 205.0)[0]
 
@@ -327,10 +329,15 @@ class TestTraceFiles:
         doc = {
             "period_s": 86400,
             "clients": [
-                {"client": 1, "ms_per_sample": 20, "up_kbps": 1000, "down_kbps": 8000,
-                 "latency_ms": 10, "windows": [[0, 3600], [7200, 9000]]},
-                {"client": 0, "ms_per_sample": 5, "up_kbps": 8000, "down_kbps": 16000,
-                 "latency_ms": 0},
+                {
+                    "client": 1,
+                    "ms_per_sample": 20,
+                    "up_kbps": 1000,
+                    "down_kbps": 8000,
+                    "latency_ms": 10,
+                    "windows": [[0, 3600], [7200, 9000]],
+                },
+                {"client": 0, "ms_per_sample": 5, "up_kbps": 8000, "down_kbps": 16000, "latency_ms": 0},
             ],
         }
         f = tmp_path / "t.json"
@@ -354,9 +361,16 @@ class TestTraceFiles:
         p = load_trace(EXAMPLE)
         clients = []
         for i in range(len(p)):
-            clients.append({"client": i, "ms_per_sample": float(p.ms_per_sample[i]),
-                            "up_kbps": float(p.up_bps[i] / 125), "down_kbps": float(p.down_bps[i] / 125),
-                            "latency_ms": float(p.latency_s[i] * 1000), "windows": p.windows[i].tolist()})
+            clients.append(
+                {
+                    "client": i,
+                    "ms_per_sample": float(p.ms_per_sample[i]),
+                    "up_kbps": float(p.up_bps[i] / 125),
+                    "down_kbps": float(p.down_bps[i] / 125),
+                    "latency_ms": float(p.latency_s[i] * 1000),
+                    "windows": p.windows[i].tolist(),
+                }
+            )
         f = tmp_path / "ex.json"
         f.write_text(json.dumps({"period_s": 86400, "clients": clients}))
         q = load_trace(f)
@@ -380,11 +394,14 @@ class TestFedScale:
         return path
 
     def test_capacity_only(self, tmp_path):
-        cap = self.write(tmp_path / "client_device_capacity", {
-            7: {"computation": 30.0, "communication": 800.0},
-            2: {"computation": 12.0, "communication": 4000},
-            5: {"computation": 55.5, "communication": 1200.0},
-        })
+        cap = self.write(
+            tmp_path / "client_device_capacity",
+            {
+                7: {"computation": 30.0, "communication": 800.0},
+                2: {"computation": 12.0, "communication": 4000},
+                5: {"computation": 55.5, "communication": 1200.0},
+            },
+        )
         p = import_fedscale(cap)
         assert len(p) == 3
         assert p.ms_per_sample.tolist() == [12.0, 55.5, 30.0]  # sorted keys 2, 5, 7
@@ -395,14 +412,20 @@ class TestFedScale:
         assert q.up_bps[0] == 4000 * 128.0
 
     def test_with_behaviour_trace(self, tmp_path):
-        cap = self.write(tmp_path / "cap.pkl", {
-            1: {"computation": 10.0, "communication": 1000.0},
-            2: {"computation": 20.0, "communication": 1000.0},
-        })
-        beh = self.write(tmp_path / "beh.pkl", {
-            2: {"duration": 500, "active": [100, 400], "inactive": [200, 500], "finish_time": 1000},
-            1: {"duration": 900, "active": [0], "inactive": [900], "finish_time": 1000},
-        })
+        cap = self.write(
+            tmp_path / "cap.pkl",
+            {
+                1: {"computation": 10.0, "communication": 1000.0},
+                2: {"computation": 20.0, "communication": 1000.0},
+            },
+        )
+        beh = self.write(
+            tmp_path / "beh.pkl",
+            {
+                2: {"duration": 500, "active": [100, 400], "inactive": [200, 500], "finish_time": 1000},
+                1: {"duration": 900, "active": [0], "inactive": [900], "finish_time": 1000},
+            },
+        )
         p = import_fedscale(cap, beh)
         assert p.period_s == 1000.0
         np.testing.assert_array_equal(p.windows[1], [[100, 200], [400, 500]])
@@ -413,12 +436,14 @@ class TestFedScale:
         assert p.online_until([1], 2450.0)[0] == 2500.0
 
     def test_cycled_traces_and_per_client_period(self, tmp_path):
-        cap = self.write(tmp_path / "cap.pkl", {i: {"computation": 10.0, "communication": 100.0}
-                                                for i in range(5)})
-        beh = self.write(tmp_path / "beh.pkl", {
-            "a": {"active": [0], "inactive": [10], "finish_time": 100, "duration": 10},
-            "b": {"active": [50, 80], "inactive": [60], "finish_time": 200, "duration": 30},
-        })
+        cap = self.write(tmp_path / "cap.pkl", {i: {"computation": 10.0, "communication": 100.0} for i in range(5)})
+        beh = self.write(
+            tmp_path / "beh.pkl",
+            {
+                "a": {"active": [0], "inactive": [10], "finish_time": 100, "duration": 10},
+                "b": {"active": [50, 80], "inactive": [60], "finish_time": 200, "duration": 30},
+            },
+        )
         p = import_fedscale(cap, beh)
         assert len(p) == 5
         np.testing.assert_array_equal(p.period_s, [100, 200, 100, 200, 100])
@@ -433,8 +458,7 @@ class TestFedScale:
         with pytest.raises(ProfileError, match=r"cap.pkl: client 1, field 'computation'"):
             import_fedscale(cap)
         cap = self.write(tmp_path / "cap.pkl", {1: {"computation": 1.0, "communication": 1}})
-        beh = self.write(tmp_path / "beh.pkl", {1: {"active": [5, 6, 7], "inactive": [1],
-                                                    "finish_time": 10}})
+        beh = self.write(tmp_path / "beh.pkl", {1: {"active": [5, 6, 7], "inactive": [1], "finish_time": 10}})
         with pytest.raises(ProfileError, match=r"beh.pkl: client 1.*'active' has 3"):
             import_fedscale(cap, beh)
         beh = self.write(tmp_path / "beh.pkl", {1: {"active": [5], "inactive": [1], "finish_time": 10}})
@@ -447,8 +471,7 @@ class TestFedScale:
     def test_malicious_pickle_rejected_without_executing(self, tmp_path):
         marker = tmp_path / "pwned"
         _Evil.marker = marker
-        evil = self.write(tmp_path / "client_device_capacity", {1: {"computation": _Evil(),
-                                                                   "communication": 1.0}})
+        evil = self.write(tmp_path / "client_device_capacity", {1: {"computation": _Evil(), "communication": 1.0}})
         with pytest.raises(ProfileError, match=r"client_device_capacity.*refused.*system"):
             import_fedscale(evil)
         assert not marker.exists()

@@ -1,4 +1,5 @@
 """Device-reported figures checked against what the server knows (server/replies.py)."""
+
 import numpy as np
 import pytest
 
@@ -11,8 +12,7 @@ P = 6
 
 def _train(resident=False, candidates=1):
     tensors = {} if resident else {"model": np.zeros((candidates, P), np.float32)}
-    return {3: Message("train", 1, 3, tensors=tensors,
-                       meta={"batch_size": 10, "epochs": 2, "resident": resident})}
+    return {3: Message("train", 1, 3, tensors=tensors, meta={"batch_size": 10, "epochs": 2, "resident": resident})}
 
 
 ONES = np.ones(P, np.float32)
@@ -20,8 +20,9 @@ ONES = np.ones(P, np.float32)
 
 def _update(model=ONES, **meta):
     tensors = {} if model is None else {"model": model}
-    return Message("update", 1, 3, tensors=tensors,
-                   meta={"n": 50, "steps": 10, "choice": 0, "flag": 0, "loss": 0.5, **meta})
+    return Message(
+        "update", 1, 3, tensors=tensors, meta={"n": 50, "steps": 10, "choice": 0, "flag": 0, "loss": 0.5, **meta}
+    )
 
 
 def test_an_honest_update_passes():
@@ -30,22 +31,25 @@ def test_an_honest_update_passes():
     assert update_check(_train(candidates=3), SIZES)(3, _update(choice=2)) is None
 
 
-@pytest.mark.parametrize("reply, reason", [
-    (_update(n=1_000_000_000), "wrong sample count"),   # would outweigh every honest client
-    (_update(n=49), "wrong sample count"),
-    (_update(n="50"), "wrong sample count"),
-    (_update(n=True), "wrong sample count"),
-    (_update(steps=1), "wrong step count"),              # would fake a fast device's clock
-    (_update(choice=1), "bad meta"),                     # one candidate was offered
-    (_update(choice=[0]), "bad meta"),
-    (_update(flag="yes"), "bad meta"),
-    (_update(loss="low"), "bad meta"),
-    (_update(model=np.ones(P + 1, np.float32)), "bad model"),
-    (_update(model=np.ones(P, np.float64)), "bad model"),
-    (_update(model=None), "bad model"),
-    (_update(model=np.array([1, np.nan, 0, 0, 0, 0], np.float32)), "non-finite update"),
-    (_update(model=np.array([np.inf] * P, np.float32)), "non-finite update"),
-])
+@pytest.mark.parametrize(
+    "reply, reason",
+    [
+        (_update(n=1_000_000_000), "wrong sample count"),  # would outweigh every honest client
+        (_update(n=49), "wrong sample count"),
+        (_update(n="50"), "wrong sample count"),
+        (_update(n=True), "wrong sample count"),
+        (_update(steps=1), "wrong step count"),  # would fake a fast device's clock
+        (_update(choice=1), "bad meta"),  # one candidate was offered
+        (_update(choice=[0]), "bad meta"),
+        (_update(flag="yes"), "bad meta"),
+        (_update(loss="low"), "bad meta"),
+        (_update(model=np.ones(P + 1, np.float32)), "bad model"),
+        (_update(model=np.ones(P, np.float64)), "bad model"),
+        (_update(model=None), "bad model"),
+        (_update(model=np.array([1, np.nan, 0, 0, 0, 0], np.float32)), "non-finite update"),
+        (_update(model=np.array([np.inf] * P, np.float32)), "non-finite update"),
+    ],
+)
 def test_a_dishonest_update_is_rejected_with_its_reason(reply, reason):
     got = update_check(_train(), SIZES)(3, reply)
     assert got is not None and got[0] == reason, got
@@ -55,13 +59,22 @@ def test_a_resident_model_must_not_travel_back():
     assert update_check(_train(resident=True), SIZES)(3, _update())[0] == "bad model"
 
 
-@pytest.mark.parametrize("correct, total, ok", [
-    (17.0, 20.0, True), (0, 20, True), (20, 20, True),
-    (20, 21, False),           # more test samples than the shard holds
-    (1e9, 1e9, False),         # fake totals
-    (21, 20, False), (-1, 20, False), (10.5, 20, False),
-    (float("nan"), 20, False), ("17", 20, False), (None, 20, False),
-])
+@pytest.mark.parametrize(
+    "correct, total, ok",
+    [
+        (17.0, 20.0, True),
+        (0, 20, True),
+        (20, 20, True),
+        (20, 21, False),  # more test samples than the shard holds
+        (1e9, 1e9, False),  # fake totals
+        (21, 20, False),
+        (-1, 20, False),
+        (10.5, 20, False),
+        (float("nan"), 20, False),
+        ("17", 20, False),
+        (None, 20, False),
+    ],
+)
 def test_evaluation_totals_must_match_the_test_shard(correct, total, ok):
     reply = Message("metrics", 1, 3, meta={"correct": correct, "total": total, "loss": 0.1})
     got = metrics_check(SIZES)(3, reply)
@@ -70,15 +83,19 @@ def test_evaluation_totals_must_match_the_test_shard(correct, total, ok):
         assert got[0] == "wrong evaluation totals"
 
 
-@pytest.mark.parametrize("centroids, n, reason", [
-    (np.ones((5, 128), np.float32), 50, None),
-    (np.ones((5, 128), np.float32), 51, "wrong sample count"),
-    (np.ones((11, 128), np.float32), 50, "bad centroids"),
-    (np.ones(128, np.float32), 50, "bad centroids"),
-    (np.ones((5, 128), np.int64), 50, "bad centroids"),
-    (np.full((5, 128), np.nan, np.float32), 50, "non-finite centroids"),
-])
+@pytest.mark.parametrize(
+    "centroids, n, reason",
+    [
+        (np.ones((5, 128), np.float32), 50, None),
+        (np.ones((5, 128), np.float32), 51, "wrong sample count"),
+        (np.ones((11, 128), np.float32), 50, "bad centroids"),
+        (np.ones(128, np.float32), 50, "bad centroids"),
+        (np.ones((5, 128), np.int64), 50, "bad centroids"),
+        (np.full((5, 128), np.nan, np.float32), 50, "non-finite centroids"),
+    ],
+)
 def test_centroids_are_checked(centroids, n, reason):
-    got = centroids_check(SIZES, max_k=10)(3, Message("centroids", 1, 3, tensors={"centroids": centroids},
-                                                      meta={"n": n}))
+    got = centroids_check(SIZES, max_k=10)(
+        3, Message("centroids", 1, 3, tensors={"centroids": centroids}, meta={"n": n})
+    )
     assert (got and got[0]) == reason

@@ -1,4 +1,5 @@
 """`flt report`: one self-contained HTML page, Markdown and CSV, opened in a real browser."""
+
 import base64
 import csv
 import json
@@ -17,9 +18,11 @@ from models.schema import ConfigError
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # counts the images the browser decoded, once the page has loaded, into the DOM
-IMAGE_PROBE = ("<script>addEventListener('load', () => { const im = [...document.images]; "
-               "document.body.dataset.images = im.length + '/' + "
-               "im.filter(i => i.complete && i.naturalWidth > 0).length; });</script>")
+IMAGE_PROBE = (
+    "<script>addEventListener('load', () => { const im = [...document.images]; "
+    "document.body.dataset.images = im.length + '/' + "
+    "im.filter(i => i.complete && i.naturalWidth > 0).length; });</script>"
+)
 
 
 def _png(path: Path, color: str) -> None:
@@ -36,10 +39,19 @@ def _png(path: Path, color: str) -> None:
 
 def _record(method: str, rnd: int, acc: float, events=()) -> dict:
     mb = rnd * 1_000_000
-    return {"method": method, "round": rnd, "selected": 4, "returned": 4, "events": list(events),
-            "emulated_s": 10.0 * rnd, "acc_mean": acc, "acc_se": 1.5, "acc_var": 9.0,
-            "bytes": {"up": {"model": mb, "control": 10}, "down": {"model": mb, "encoder": 5000}},
-            "timing": {"train_s": 0.1, "wall_s": rnd * 0.2, "setup_s": 0.0}}
+    return {
+        "method": method,
+        "round": rnd,
+        "selected": 4,
+        "returned": 4,
+        "events": list(events),
+        "emulated_s": 10.0 * rnd,
+        "acc_mean": acc,
+        "acc_se": 1.5,
+        "acc_var": 9.0,
+        "bytes": {"up": {"model": mb, "control": 10}, "down": {"model": mb, "encoder": 5000}},
+        "timing": {"train_s": 0.1, "wall_s": rnd * 0.2, "setup_s": 0.0},
+    }
 
 
 def fake_run(folder: Path, name: str = "toy") -> Path:
@@ -48,31 +60,69 @@ def fake_run(folder: Path, name: str = "toy") -> Path:
     folder.mkdir(parents=True)
     arrival = {"kind": "arrival", "round": 2, "clients": [6, 7], "placement": "recluster", "ari": 1.0}
     recluster = {"kind": "recluster", "round": 2, "cause": "arrival", "clients": [6, 7], "clusters": 3}
-    metrics = {"fedavg": [_record("fedavg", 1, 40.0), _record("fedavg", 2, 55.0, [arrival]),
-                          _record("fedavg", 3, 50.0)],
-               "flt": [_record("flt", 1, 70.0), _record("flt", 2, 91.0, [arrival, recluster]),
-                       _record("flt", 3, 90.0)]}
-    fcr = [{"round": 0, "cause": "initial", "n_clients": 6, "clusters": 2, "cluster_sizes": [3, 3],
-            "silhouette": 0.61, "ari": 1.0, "nmi": 1.0},
-           {"round": 2, "cause": "arrival", "n_clients": 8, "clusters": 3, "cluster_sizes": [3, 3, 2],
-            "silhouette": 0.55, "ari": 0.8, "nmi": 0.9}]
-    change = {"kind": "arrival", "clients": 2, "round": 2, "measured_on": "incumbents", "before": 70.0,
-              "lowest": 65.0, "lowest_round": 2, "rounds_to_recover": 1, "bytes_to_recover": 2_000_000,
-              "emulated_s_to_recover": 10.0}
+    metrics = {
+        "fedavg": [_record("fedavg", 1, 40.0), _record("fedavg", 2, 55.0, [arrival]), _record("fedavg", 3, 50.0)],
+        "flt": [_record("flt", 1, 70.0), _record("flt", 2, 91.0, [arrival, recluster]), _record("flt", 3, 90.0)],
+    }
+    fcr = [
+        {
+            "round": 0,
+            "cause": "initial",
+            "n_clients": 6,
+            "clusters": 2,
+            "cluster_sizes": [3, 3],
+            "silhouette": 0.61,
+            "ari": 1.0,
+            "nmi": 1.0,
+        },
+        {
+            "round": 2,
+            "cause": "arrival",
+            "n_clients": 8,
+            "clusters": 3,
+            "cluster_sizes": [3, 3, 2],
+            "silhouette": 0.55,
+            "ari": 0.8,
+            "nmi": 0.9,
+        },
+    ]
+    change = {
+        "kind": "arrival",
+        "clients": 2,
+        "round": 2,
+        "measured_on": "incumbents",
+        "before": 70.0,
+        "lowest": 65.0,
+        "lowest_round": 2,
+        "rounds_to_recover": 1,
+        "bytes_to_recover": 2_000_000,
+        "emulated_s_to_recover": 10.0,
+    }
     methods = {}
     for label, rows in metrics.items():
         (folder / label).mkdir()
         (folder / label / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         methods[label] = {
-            "method": label, "label": label, "final_accuracy": rows[-1]["acc_mean"], "final_se": 1.5,
-            "final_variance": 9.0, "best_accuracy": max(r["acc_mean"] for r in rows), "best_round": 2,
-            "rounds": 3, "rounds_to_target": {"round": 2, "bytes": 4_005_010, "emulated_s": 20.0}
-            if label == "flt" else None,
+            "method": label,
+            "label": label,
+            "final_accuracy": rows[-1]["acc_mean"],
+            "final_se": 1.5,
+            "final_variance": 9.0,
+            "best_accuracy": max(r["acc_mean"] for r in rows),
+            "best_round": 2,
+            "rounds": 3,
+            "rounds_to_target": {"round": 2, "bytes": 4_005_010, "emulated_s": 20.0} if label == "flt" else None,
             "bytes_payload": {"up": {"model": 3_000_000, "control": 10}, "down": {"model": 3_000_000, "encoder": 5000}},
-            "bytes_overhead": {"up": 300, "down": 400}, "bytes_up": 3_000_310, "bytes_down": 3_005_400,
-            "formula_payload_bytes": 6_005_000, "expected": {"formula": "2*rho*M*W_local*T", "bytes": 6_005_000},
-            "bytes_vs_formula": 1.0, "emulated_s": 30.0, "changes": [change],
-            "timing": {"wall_s": 0.6, "s_per_round": 0.1, "setup_s": 0.0}}
+            "bytes_overhead": {"up": 300, "down": 400},
+            "bytes_up": 3_000_310,
+            "bytes_down": 3_005_400,
+            "formula_payload_bytes": 6_005_000,
+            "expected": {"formula": "2*rho*M*W_local*T", "bytes": 6_005_000},
+            "bytes_vs_formula": 1.0,
+            "emulated_s": 30.0,
+            "changes": [change],
+            "timing": {"wall_s": 0.6, "s_per_round": 0.1, "setup_s": 0.0},
+        }
     methods["flt"] |= {"fcr_reports": fcr, "fcr": fcr[0], "found_clusters": [0, 0, 0, 1, 1, 1, 2, 2]}
     (folder / "summary.json").write_text(json.dumps({"scenario": name, "methods": methods}))
     (folder / "config.yaml").write_text(f"name: {name}\ntrain:\n  rounds: 3\n  target_accuracy: 80.0\n")
@@ -95,14 +145,21 @@ def test_page_is_self_contained_and_covers_every_section(tmp_path):
     assert len(srcs) == 5 and all(s.startswith("data:image/png;base64,") for s in srcs)
     assert all(base64.b64decode(s.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n" for s in srcs)
     assert not re.search(r'(src|href)="(?!data:)', page) and "http" not in page.replace("http-equiv", "")
-    for text in ("91.00 ± 1.50 (2)",          # best accuracy with its s.e. and round
-                 "90.00 ± 1.50",              # final
-                 "up control MB", "down encoder MB", "2*rho*M*W_local*T", "1.0000",
-                 "2, 4.01, 20.0 s",           # to the 80 % target: round, MB, emulated time
-                 "not reached",               # FedAvg never got there
-                 "round 2 (arrival): 3 clusters, ARI 0.80, NMI 0.90",
-                 "rounds_to_recover", "recluster", "flt run scenarios/toy.yaml",
-                 "target_accuracy: 80.0"):
+    for text in (
+        "91.00 ± 1.50 (2)",  # best accuracy with its s.e. and round
+        "90.00 ± 1.50",  # final
+        "up control MB",
+        "down encoder MB",
+        "2*rho*M*W_local*T",
+        "1.0000",
+        "2, 4.01, 20.0 s",  # to the 80 % target: round, MB, emulated time
+        "not reached",  # FedAvg never got there
+        "round 2 (arrival): 3 clusters, ARI 0.80, NMI 0.90",
+        "rounds_to_recover",
+        "recluster",
+        "flt run scenarios/toy.yaml",
+        "target_accuracy: 80.0",
+    ):
         assert text in page, text
 
 
@@ -137,7 +194,7 @@ def test_final_table_gives_clusters_ari_and_emulated_time(tmp_path):
     lines = table(summary).splitlines()
     assert lines[0].split()[-4:] == ["clusters", "ARI", "emulated", "s/round"]
     flt = next(line for line in lines if line.startswith("flt"))
-    assert flt.split()[-5:-1] == ["3", "0.80", "30", "s"]           # FCR's latest clustering
+    assert flt.split()[-5:-1] == ["3", "0.80", "30", "s"]  # FCR's latest clustering
     assert next(line for line in lines if line.startswith("fedavg")).split()[-5:-3] == ["-", "-"]
 
 
@@ -147,14 +204,37 @@ def open_in_chromium(page: Path, tmp_path: Path) -> tuple[str, Path]:
         pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium); .ci/run installs it")
     probed = page.with_name("probed.html")
     probed.write_text(page.read_text().replace("</body>", IMAGE_PROBE + "</body>"))
-    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--no-first-run", "--virtual-time-budget=5000"]
-    dom = subprocess.run([*flags, f"--user-data-dir={tmp_path / 'profile-dom'}", "--dump-dom", probed.as_uri()],
-                         capture_output=True, text=True, timeout=120)
+    flags = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--virtual-time-budget=5000",
+    ]
+    dom = subprocess.run(
+        [*flags, f"--user-data-dir={tmp_path / 'profile-dom'}", "--dump-dom", probed.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert dom.returncode == 0, dom.stderr[-2000:]
     shot = tmp_path / "page.png"
-    res = subprocess.run([*flags, f"--user-data-dir={tmp_path / 'profile-shot'}", "--window-size=1400,2000",
-                          f"--screenshot={shot}", page.as_uri()], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            *flags,
+            f"--user-data-dir={tmp_path / 'profile-shot'}",
+            "--window-size=1400,2000",
+            f"--screenshot={shot}",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0 and shot.exists(), res.stderr[-2000:]
     return dom.stdout, shot
 
@@ -172,12 +252,30 @@ def test_report_of_a_real_run_through_the_cli(tmp_path):
     """A tiny real run (digits, 3 rounds, a cluster arriving at round 2), then `flt report`."""
     run = tmp_path / "run"
     flt = [sys.executable, "-m", "emulator.cli"]
-    res = subprocess.run([*flt, "run", str(REPO / "scenarios" / "dynamic_digits.yaml"), "--out", str(run),
-                          "--set", "train.rounds=3", "--set", "partition.clients=10",
-                          "--set", "population.newcomers=[{round: 2, cluster: 4}]", "--set", "population.drift=[]",
-                          "--set", "methods=[{name: flt, encoder: {dataset: public, epochs: 3}, aggregation: case2, "
-                                   "newcomers: recluster}, fedavg]"],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            *flt,
+            "run",
+            str(REPO / "scenarios" / "dynamic_digits.yaml"),
+            "--out",
+            str(run),
+            "--set",
+            "train.rounds=3",
+            "--set",
+            "partition.clients=10",
+            "--set",
+            "population.newcomers=[{round: 2, cluster: 4}]",
+            "--set",
+            "population.drift=[]",
+            "--set",
+            "methods=[{name: flt, encoder: {dataset: public, epochs: 3}, aggregation: case2, "
+            "newcomers: recluster}, fedavg]",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr + res.stdout
     assert (run / "command.txt").read_text().startswith("flt run ")
     res = subprocess.run([*flt, "report", str(run)], cwd=REPO, capture_output=True, text=True, timeout=300)

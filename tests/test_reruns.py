@@ -1,5 +1,6 @@
 """Exact reruns: the same seed and scenario give the same records, bytes included, however
 many device processes share the clients. Wall-clock figures live apart, in `timing`."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,33 +40,43 @@ def trainer():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("cfg", [TrainConfig(epochs=2, batch_size=10, lr=0.05),
-                                 TrainConfig(epochs=2, batch_size=10, lr=0.01, prox_mu=0.1),
-                                 TrainConfig(epochs=1, batch_size=10, lr=0.001, optimizer="adam")])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        TrainConfig(epochs=2, batch_size=10, lr=0.05),
+        TrainConfig(epochs=2, batch_size=10, lr=0.01, prox_mu=0.1),
+        TrainConfig(epochs=1, batch_size=10, lr=0.001, optimizer="adam"),
+    ],
+)
 def test_a_clients_training_does_not_depend_on_its_cohort(trainer, cfg):
     tr, init = trainer
     everyone = list(range(len(SIZES)))
-    full, _ = tr.train(init.expand(len(SIZES), -1), *cohort(everyone), cfg,
-                       [client_generator(7, c) for c in everyone])
+    full, _ = tr.train(init.expand(len(SIZES), -1), *cohort(everyone), cfg, [client_generator(7, c) for c in everyone])
     for ids in ([4], [1, 3], [0, 2, 4]):
         part, _ = tr.train(init.expand(len(ids), -1), *cohort(ids), cfg, [client_generator(7, c) for c in ids])
         for row, c in enumerate(ids):
             assert torch.equal(part[row], full[c]), (ids, c)  # bit for bit, not approximately
 
 
-@pytest.mark.parametrize("cfg", [TrainConfig(epochs=2, lr=0.05), TrainConfig(epochs=2, lr=0.05, prox_mu=0.1),
-                                 # Adam divides by sqrt(v): where a gradient is ~0, float rounding of
-                                 # vmap against the loop moves a weight by up to ~lr/40; a padded step
-                                 # that wrongly applied momentum would move it by ~lr per step
-                                 TrainConfig(epochs=2, lr=1e-4, optimizer="adam")], ids=["sgd", "fedprox", "adam"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        TrainConfig(epochs=2, lr=0.05),
+        TrainConfig(epochs=2, lr=0.05, prox_mu=0.1),
+        # Adam divides by sqrt(v): where a gradient is ~0, float rounding of
+        # vmap against the loop moves a weight by up to ~lr/40; a padded step
+        # that wrongly applied momentum would move it by ~lr per step
+        TrainConfig(epochs=2, lr=1e-4, optimizer="adam"),
+    ],
+    ids=["sgd", "fedprox", "adam"],
+)
 def test_the_vmapped_cohort_equals_the_per_client_loop(trainer, cfg):
     # unequal shards: the short clients' padded steps must change nothing (Adam included)
     tr, init = trainer
     ids = list(range(len(SIZES)))
     gens = lambda: [client_generator(3, c) for c in ids]  # noqa: E731
     vmapped, vloss = tr.train(init.expand(len(ids), -1), *cohort(ids), cfg, gens())
-    looped, lloss = tr.train(init.expand(len(ids), -1), *cohort(ids), dataclasses.replace(cfg, vectorize=False),
-                             gens())
+    looped, lloss = tr.train(init.expand(len(ids), -1), *cohort(ids), dataclasses.replace(cfg, vectorize=False), gens())
     assert torch.allclose(vmapped, looped, atol=1e-5, rtol=0)
     assert torch.allclose(vloss, lloss, atol=1e-5)
     other, _ = tr.train(init.expand(len(ids), -1), *cohort(ids), cfg, [client_generator(4, c) for c in ids])
@@ -94,10 +105,26 @@ def test_one_two_or_three_device_processes_give_identical_results(tmp_path):
     for n in (1, 2, 3):
         out = tmp_path / f"p{n}"
         res = subprocess.run(
-            [sys.executable, "-m", "emulator.cli", "run", "scenarios/quickstart.yaml", "--set", "train.rounds=4",
-             "--set", "methods=[fedavg, local, {name: flt, encoder: {dataset: public, epochs: 5}}]",
-             "--set", f"devices.processes={n}", "--out", str(out)],
-            cwd=REPO, capture_output=True, text=True, timeout=600)
+            [
+                sys.executable,
+                "-m",
+                "emulator.cli",
+                "run",
+                "scenarios/quickstart.yaml",
+                "--set",
+                "train.rounds=4",
+                "--set",
+                "methods=[fedavg, local, {name: flt, encoder: {dataset: public, epochs: 5}}]",
+                "--set",
+                f"devices.processes={n}",
+                "--out",
+                str(out),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert res.returncode == 0, res.stderr
         runs.append(results_without_timing(out))
         lines = (out / "fedavg" / "metrics.jsonl").read_text().splitlines()

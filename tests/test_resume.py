@@ -1,5 +1,6 @@
 """Checkpoints and `flt run --resume`: a killed run continues to exactly the results of an
 uninterrupted one."""
+
 from __future__ import annotations
 
 import json
@@ -34,11 +35,24 @@ def test_checkpoint_round_trips_values_tensors_and_generators(tmp_path):
     np_rng.random(3), torch.rand(3, generator=torch_rng)  # mid-stream, not at the seed
     ledger = Ledger()
     ledger.add(3, 7, "up", "model", 100, 20)
-    state = {"round": 4, "loss": float("nan"), "name": "x", "none": None, "flag": True,
-             "ids": {3, 1, 2}, "pairs": {(0, "up"): [1, 2]}, "by_client": {5: np.arange(3)},
-             "scalar": np.int64(7), "models": torch.randn(2, 3), "labels": np.array([1, 0, 1]),
-             "np_rng": np_rng, "torch_rng": torch_rng, "path": Path("/a/b"), "ledger": ledger,
-             "nested": [{"t": torch.ones(2, dtype=torch.int64)}, (1, 2.5)]}
+    state = {
+        "round": 4,
+        "loss": float("nan"),
+        "name": "x",
+        "none": None,
+        "flag": True,
+        "ids": {3, 1, 2},
+        "pairs": {(0, "up"): [1, 2]},
+        "by_client": {5: np.arange(3)},
+        "scalar": np.int64(7),
+        "models": torch.randn(2, 3),
+        "labels": np.array([1, 0, 1]),
+        "np_rng": np_rng,
+        "torch_rng": torch_rng,
+        "path": Path("/a/b"),
+        "ledger": ledger,
+        "nested": [{"t": torch.ones(2, dtype=torch.int64)}, (1, 2.5)],
+    }
     checkpoint.save(tmp_path / "c.npz", state)
     back = checkpoint.load(tmp_path / "c.npz")
 
@@ -46,7 +60,7 @@ def test_checkpoint_round_trips_values_tensors_and_generators(tmp_path):
     assert back["ids"] == {1, 2, 3} and back["pairs"] == {(0, "up"): [1, 2]} and back["flag"] is True
     assert np.array_equal(back["by_client"][5], np.arange(3)) and back["scalar"].dtype == np.int64
     assert torch.equal(back["models"], state["models"]) and np.array_equal(back["labels"], state["labels"])
-    assert back["np_rng"].random() == np_rng.random()          # the stream goes on where it was
+    assert back["np_rng"].random() == np_rng.random()  # the stream goes on where it was
     assert torch.equal(torch.rand(4, generator=back["torch_rng"]), torch.rand(4, generator=torch_rng))
     assert back["path"] == Path("/a/b") and back["nested"][1] == (1, 2.5)
     assert torch.equal(back["nested"][0]["t"], torch.ones(2, dtype=torch.int64))
@@ -80,10 +94,17 @@ def test_restore_keeps_a_live_defaultdict_and_fills_nested_objects(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_every_strategy_state_survives_a_checkpoint(tmp_path, name):
-    ctx = Context(init=torch.randn(20, generator=torch.Generator().manual_seed(0)), n_clients=6,
-                  n_train=np.full(6, 10), device=torch.device("cpu"), seed=0, run_dir=tmp_path,
-                  truth=np.zeros(6, dtype=np.int64), train={"local_epochs": 1, "batch_size": 10, "lr": 0.01},
-                  scenario={"name": "t", "data": {"dataset": "digits", "root": None}})
+    ctx = Context(
+        init=torch.randn(20, generator=torch.Generator().manual_seed(0)),
+        n_clients=6,
+        n_train=np.full(6, 10),
+        device=torch.device("cpu"),
+        seed=0,
+        run_dir=tmp_path,
+        truth=np.zeros(6, dtype=np.int64),
+        train={"local_epochs": 1, "batch_size": 10, "lr": 0.01},
+        scenario={"name": "t", "data": {"dataset": "digits", "root": None}},
+    )
     params = parse_methods([name])[0].params
     before = STRATEGIES[name](ctx, **params)
     for value in list(vars(before).values()):  # moved on from construction: random streams drawn
@@ -125,8 +146,14 @@ def _assert_same(a, b, where):
 def test_population_replays_arrivals_and_drift_then_takes_its_state():
     calls = []
     sched = Schedule(arrivals={2: np.array([4, 5])}, drift={3: [{"kind": "move", "client": 0, "partner": 1}]})
-    pop = Population(6, 0.5, 0, schedule=sched, arrive=lambda r, c: calls.append(("arrive", r, c.tolist())),
-                     drift=lambda r, ch: calls.append(("drift", r, ch)))
+    pop = Population(
+        6,
+        0.5,
+        0,
+        schedule=sched,
+        arrive=lambda r, c: calls.append(("arrive", r, c.tolist())),
+        drift=lambda r, ch: calls.append(("drift", r, ch)),
+    )
     saved = {"present": np.ones(6, dtype=bool), "clock": EmulatedClock(42.5).state_dict(), "target": 3}
     pop.load_state_dict(saved, upto=3)
     assert calls == [("arrive", 2, [4, 5]), ("drift", 3, sched.drift[3])]
@@ -134,14 +161,25 @@ def test_population_replays_arrivals_and_drift_then_takes_its_state():
 
 
 def test_wall_clock_fields_move_to_timing_at_any_depth():
-    record = {"round": 3, "emulated_s": 9.0, "train_s": 0.2,
-              "events": [{"kind": "drift"}, {"kind": "recluster", "seconds": 1.5, "encoder_cached": True}],
-              "fcr": {"server_seconds": 0.1, "ari": 1.0}}
+    record = {
+        "round": 3,
+        "emulated_s": 9.0,
+        "train_s": 0.2,
+        "events": [{"kind": "drift"}, {"kind": "recluster", "seconds": 1.5, "encoder_cached": True}],
+        "fcr": {"server_seconds": 0.1, "ari": 1.0},
+    }
     clean, timing = split_timing(record)
-    assert clean == {"round": 3, "emulated_s": 9.0, "events": [{"kind": "drift"}, {"kind": "recluster"}],
-                     "fcr": {"ari": 1.0}}
-    assert timing == {"train_s": 0.2, "events": [{}, {"seconds": 1.5, "encoder_cached": True}],
-                      "fcr": {"server_seconds": 0.1}}
+    assert clean == {
+        "round": 3,
+        "emulated_s": 9.0,
+        "events": [{"kind": "drift"}, {"kind": "recluster"}],
+        "fcr": {"ari": 1.0},
+    }
+    assert timing == {
+        "train_s": 0.2,
+        "events": [{}, {"seconds": 1.5, "encoder_cached": True}],
+        "fcr": {"server_seconds": 0.1},
+    }
 
 
 # -- end to end: a real kill, a real resume ------------------------------------------------
@@ -167,27 +205,35 @@ methods:
 
 
 def flt_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def results_without_timing(run_dir: Path) -> dict:
     """Every metrics.jsonl line and summary.json, minus the `timing` objects."""
+
     def strip(x):
         if isinstance(x, dict):
             return {k: strip(v) for k, v in x.items() if k != "timing"}
         return [strip(v) for v in x] if isinstance(x, list) else x
 
-    out = {p.parent.name: [strip(json.loads(line)) for line in p.read_text().splitlines()]
-           for p in sorted(run_dir.glob("*/metrics.jsonl"))}
+    out = {
+        p.parent.name: [strip(json.loads(line)) for line in p.read_text().splitlines()]
+        for p in sorted(run_dir.glob("*/metrics.jsonl"))
+    }
     out["summary"] = strip(json.loads((run_dir / "summary.json").read_text()))
     return out
 
 
 def kill_during(scenario: Path, out: Path, method: str, after_rounds: int, *sets: str) -> None:
     """Start a run and SIGKILL the server once `method` has recorded `after_rounds` rounds."""
-    proc = subprocess.Popen([sys.executable, "-m", "emulator.cli", "run", str(scenario), *sets, "--out", str(out)],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "emulator.cli", "run", str(scenario), *sets, "--out", str(out)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     metrics, deadline = out / method / "metrics.jsonl", time.monotonic() + 300
     while not metrics.exists() or len(metrics.read_text().splitlines()) < after_rounds:
         assert proc.poll() is None, "the run ended before it could be killed"

@@ -1,6 +1,7 @@
 """The shipped scenario files: every one validates, the ablation grid matches its
 generator, and each new data/model combination runs end to end in a tiny version
 (real device processes over loopback sockets, real data from ../shared/data)."""
+
 import importlib.util
 import json
 import subprocess
@@ -39,8 +40,10 @@ def test_ablation_files_are_the_generator_output():
     assert len(grid) == 16
     on_disk = {p.name: p.read_text() for p in (SCENARIOS / "ablation").glob("*.yaml")}
     assert on_disk == grid, "run python scenarios/ablation/make_grid.py"
-    values = {(c["partition"]["clients"], c["train"]["participation"], c["train"]["local_epochs"],
-               c["train"]["rounds"]) for c in (load(SCENARIOS / "ablation" / n) for n in grid)}
+    values = {
+        (c["partition"]["clients"], c["train"]["participation"], c["train"]["local_epochs"], c["train"]["rounds"])
+        for c in (load(SCENARIOS / "ablation" / n) for n in grid)
+    }
     assert values == {(m, r, e, t) for m in (100, 500) for r in (0.2, 0.5) for e in (1, 5) for t in (50, 100)}
 
 
@@ -82,8 +85,13 @@ def tiny(path: Path, tmp: Path, labels: list[str], **partition) -> dict:
         if isinstance(m, dict) and "encoder" in m:
             m["encoder"].update(epochs=1, finetune_epochs=min(1, m["encoder"].get("finetune_epochs", 0)))
     (tmp / "tiny.yaml").write_text(yaml.safe_dump(raw))
-    res = subprocess.run([sys.executable, "-m", "emulator.cli", "run", str(tmp / "tiny.yaml"), "--out",
-                          str(tmp / "run")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-m", "emulator.cli", "run", str(tmp / "tiny.yaml"), "--out", str(tmp / "run")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr + res.stdout
     return json.loads((tmp / "run" / "summary.json").read_text())["methods"]
 
@@ -92,8 +100,15 @@ def tiny(path: Path, tmp: Path, labels: list[str], **partition) -> dict:
 def test_cifar10_cnn_with_public_slice_and_enc2_stand_in_runs(tmp_path):
     need_shared("cifar10-jpg")
     need_shared("fashion-mnist")
-    methods = tiny(SCENARIOS / "s1_cifar10.yaml", tmp_path, ["flt_enc1", "flt_enc2"], clients=10,
-                   samples_per_client=40, test_per_client=10, public_fraction=0.02)
+    methods = tiny(
+        SCENARIOS / "s1_cifar10.yaml",
+        tmp_path,
+        ["flt_enc1", "flt_enc2"],
+        clients=10,
+        samples_per_client=40,
+        test_per_client=10,
+        public_fraction=0.02,
+    )
     public = np.load(tmp_path / "run" / "public_indices.npy")
     assert len(public) == 1000  # 2 % of the 50,000 train images, kept from every client
     train = np.concatenate(Partition.load(tmp_path / "run" / "partition.npz").train)

@@ -1,4 +1,5 @@
 """Server-side strategy logic on synthetic results: no processes, no sockets."""
+
 from __future__ import annotations
 
 import json
@@ -22,17 +23,21 @@ P = 12
 
 def make_ctx(tmp_path, m=8, truth=None, n_train=None, seed=0) -> Context:
     g = torch.Generator().manual_seed(123)
-    return Context(init=torch.randn(P, generator=g), n_clients=m,
-                   n_train=np.ones(m, dtype=np.int64) if n_train is None else np.asarray(n_train),
-                   device=torch.device("cpu"), seed=seed, run_dir=tmp_path,
-                   truth=np.full(m, -1) if truth is None else np.asarray(truth),
-                   train={"local_epochs": 1, "batch_size": 10, "lr": 0.01},
-                   scenario={"data": {"dataset": "digits", "root": None}})
+    return Context(
+        init=torch.randn(P, generator=g),
+        n_clients=m,
+        n_train=np.ones(m, dtype=np.int64) if n_train is None else np.asarray(n_train),
+        device=torch.device("cpu"),
+        seed=seed,
+        run_dir=tmp_path,
+        truth=np.full(m, -1) if truth is None else np.asarray(truth),
+        train={"local_epochs": 1, "batch_size": 10, "lr": 0.01},
+        scenario={"data": {"dataset": "digits", "root": None}},
+    )
 
 
 def result(model, n=1, **meta) -> Result:
-    return Result(None if model is None else torch.as_tensor(model, dtype=torch.float32), n,
-                  {"n": n, **meta})
+    return Result(None if model is None else torch.as_tensor(model, dtype=torch.float32), n, {"n": n, **meta})
 
 
 # -- FedProx / Local -------------------------------------------------------------------
@@ -88,15 +93,19 @@ def test_ifca_averages_per_chosen_cluster(tmp_path):
     s = IFCA(ctx, clusters=3, reinit_empty=False)
     before = s.train_tasks(1, np.arange(4))[0].models.clone()
     w = {c: torch.full((P,), float(c + 1)) for c in range(4)}
-    results = {0: result(w[0], 1, choice=2), 1: result(w[1], 3, choice=0),
-               2: result(w[2], 1, choice=2), 3: result(w[3], 1, choice=0)}
+    results = {
+        0: result(w[0], 1, choice=2),
+        1: result(w[1], 3, choice=0),
+        2: result(w[2], 1, choice=2),
+        3: result(w[3], 1, choice=0),
+    }
     s.aggregate(1, results)
     models, rows = s.eval_models(np.arange(6))
     assert torch.allclose(models[0], (3 * w[1] + 1 * w[3]) / 4)
     assert torch.allclose(models[2], (w[0] + w[2]) / 2)
-    assert torch.equal(models[1], before[1])       # nobody chose it: unchanged
+    assert torch.equal(models[1], before[1])  # nobody chose it: unchanged
     assert rows[:4].tolist() == [2, 0, 2, 0]
-    assert rows[4] == rows[5] == 0                 # never chose: the largest cluster (tie -> 0)
+    assert rows[4] == rows[5] == 0  # never chose: the largest cluster (tie -> 0)
     summary = s.summary()
     assert summary["found_clusters"][:4] == [2, 0, 2, 0] and summary["found_clusters"][4] == -1
 
@@ -144,8 +153,7 @@ def test_fedsem_separates_two_far_groups(tmp_path):
         sel = np.sort(rng.choice(m, 8, replace=False))
         tasks = s.train_tasks(rnd, sel)
         assert all(t.models.shape == (1, P) for t in tasks.values())
-        results = {int(c): result(points[truth[c]] + 0.1 * torch.randn(P, generator=g), int(n_train[c]))
-                   for c in sel}
+        results = {int(c): result(points[truth[c]] + 0.1 * torch.randn(P, generator=g), int(n_train[c])) for c in sel}
         s.aggregate(rnd, results)
         # centres are the sample-weighted means of this round's members
         for k in range(2):
@@ -227,7 +235,7 @@ def test_cfl_partial_participation_sorts_absent_clients_down_the_tree(tmp_path):
     s = CFL(ctx, warmup_rounds=0, eps1=0.5)  # mean update = (3v - 2v) / 5, norm 0.4
     v = torch.zeros(P)
     v[1] = 2.0
-    sel = np.array([0, 1, 2, 5, 6])     # 3 of group A, 2 of group B
+    sel = np.array([0, 1, 2, 5, 6])  # 3 of group A, 2 of group B
     tasks = s.train_tasks(1, sel)
     s.aggregate(1, {int(c): result(tasks[int(c)].models[0] + (v if truth[c] == 0 else -v), 1) for c in sel})
     assert len(s.splits) == 1 and s.splits[0]["pending"] == 5
@@ -308,16 +316,19 @@ def test_pca_km_hc_relate_finds_planted_groups(tmp_path):
     paper = PCAKMHC(ctx, relatedness="paper", gamma_quantile=0.25)  # closest pair, quantile gamma, Ward
     paper.centroids = dict(enumerate(points))
     assert paper.relate(np.arange(m))["ari"] == pytest.approx(1.0)
-    assert paper.gamma_used == pytest.approx(gamma_from_quantile(
-        __import__("server.fcr", fromlist=["x"]).min_distance_adjacency(points), 0.25))
+    assert paper.gamma_used == pytest.approx(
+        gamma_from_quantile(__import__("server.fcr", fromlist=["x"]).min_distance_adjacency(points), 0.25)
+    )
     assert paper.params["gamma"] is None  # the resolved value does not overwrite the setting
 
 
 # -- the round loop of server/federation.py with an in-process stand-in for the devices ----
 class _Ledger:
     def __init__(self):
-        self.bytes = {"up": {"model": 0, "encoder": 0, "embedding": 0},
-                      "down": {"model": 0, "encoder": 0, "embedding": 0}}
+        self.bytes = {
+            "up": {"model": 0, "encoder": 0, "embedding": 0},
+            "down": {"model": 0, "encoder": 0, "embedding": 0},
+        }
 
     def totals(self):
         return {d: {k: {"payload": v, "overhead": 0} for k, v in t.items()} for d, t in self.bytes.items()}
@@ -419,8 +430,9 @@ def test_round_loop_and_byte_formula(tmp_path, name):
     strategy = cls(ctx, **params)
     assert strategy.name == name
     fed = FakeFederation(targets, ctx.n_train)
-    history = run_method(strategy, fed, Population(m, 0.5, 0), rounds, eval_every=4,
-                         out_dir=tmp_path / name, progress=lambda s: None)
+    history = run_method(
+        strategy, fed, Population(m, 0.5, 0), rounds, eval_every=4, out_dir=tmp_path / name, progress=lambda s: None
+    )
     assert len(history) == rounds and all("acc_mean" in history[r] for r in (3, 7, 11))
     selections = sum(r["selected"] for r in history)
     expected = strategy.expected_bytes(selections, P * 4)

@@ -1,5 +1,6 @@
 """`flt suite`: many scenarios, one folder each; finished ones skipped, interrupted ones
 resumed; progress as a bar on a terminal and as thinned lines elsewhere."""
+
 import io
 import json
 import shutil
@@ -144,8 +145,9 @@ def test_suite_lines_say_which_scenario_and_how_much_is_left(tmp_path):
 
 # -- the command, end to end ---------------------------------------------------------------
 def flt(*args):
-    return subprocess.run([sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.mark.slow

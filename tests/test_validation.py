@@ -1,5 +1,6 @@
 """Bad input stops a run with one line that names the file or field (exit 2), before any
 run folder or process exists; a bug keeps its traceback (exit 1)."""
+
 from __future__ import annotations
 
 import gzip
@@ -26,8 +27,9 @@ SHARED = REPO.parent / "shared" / "data"
 
 def flt(*args, cwd=REPO, timeout=300):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "emulator.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "emulator.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def assert_one_line_error(res, code: int, *words: str) -> None:
@@ -39,6 +41,7 @@ def assert_one_line_error(res, code: int, *words: str) -> None:
 
 
 # -- every float field refuses NaN and infinity --------------------------------------------
+
 
 def float_fields(schema: dict, prefix: str = ""):
     for key, f in schema.items():
@@ -77,6 +80,7 @@ def test_nan_and_inf_are_refused_for_every_float_field(value):
 
 # -- an alias bomb costs nothing --------------------------------------------------------------
 
+
 def alias_bomb(levels: int = 9) -> str:
     """Nine levels of nine references, in one YAML flow list: 9**9 (387 million) strings
     once expanded, from under 500 bytes."""
@@ -92,7 +96,7 @@ BOMB_SITES = {
     "methods": "methods: {}\n",
     "population.drift": "population: {{drift: [{{round: 2, clients: {}, to_cluster: 1}}]}}\n",
     "population.profiles": "population: {{profiles: {{distribution: {{compute: {{dist: constant, "
-                           "ms_per_sample: {}}}}}}}}}\n",
+    "ms_per_sample: {}}}}}}}}}\n",
     "--set": "",
 }
 
@@ -118,39 +122,65 @@ def test_a_yaml_alias_bomb_gives_a_short_error_without_expanding(tmp_path, site)
 
 # -- sizes the data cannot give are refused before allocating ---------------------------------
 
+
 def test_more_clients_than_samples_is_refused_before_allocating():
     y_train, y_test = np.repeat(np.arange(10), 100), np.repeat(np.arange(10), 20)
     rng = np.random.default_rng(0)
     tracemalloc.start()
     try:
         with pytest.raises(part.PartitionError, match=r"partition.clients: 10000000 clients.*1000 samples"):
-            part.partition_clusters(y_train, y_test, n_clients=10_000_000, n_clusters=5, classes_per_cluster=2,
-                                    shared_classes=0, samples_per_client=10, test_per_client=5, rng=rng)
+            part.partition_clusters(
+                y_train,
+                y_test,
+                n_clients=10_000_000,
+                n_clusters=5,
+                classes_per_cluster=2,
+                shared_classes=0,
+                samples_per_client=10,
+                test_per_client=5,
+                rng=rng,
+            )
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert peak < 5e6, peak
     with pytest.raises(part.PartitionError, match=r"partition\.samples_per_client: 2000"):
-        part.partition_dirichlet(y_train, y_test, n_clients=2, alpha=0.5, samples_per_client=2000,
-                                 test_per_client=5, rng=rng)
+        part.partition_dirichlet(
+            y_train, y_test, n_clients=2, alpha=0.5, samples_per_client=2000, test_per_client=5, rng=rng
+        )
     with pytest.raises(part.PartitionError, match=r"partition\.classes_per_cluster: 1000000000 classes"):
         part.cluster_classes(5, 10**9, 10, 0)  # refused before a list of 10**9 classes exists
     with pytest.raises(part.PartitionError, match=r"partition\.test_per_client: 500"):
-        part.partition_structured(y_train, y_test, n_clients=4, n_clusters=2, classes_per_cluster=2,
-                                  alpha=1.0, delta=0.5, test_per_client=500, rng=rng)
+        part.partition_structured(
+            y_train,
+            y_test,
+            n_clients=4,
+            n_clusters=2,
+            classes_per_cluster=2,
+            alpha=1.0,
+            delta=0.5,
+            test_per_client=500,
+            rng=rng,
+        )
 
 
 # -- newcomer and drift schedules -------------------------------------------------------------
 
-@pytest.mark.parametrize("pop, words", [
-    ({"newcomers": [{"round": 3, "cluster": 7}]}, ["newcomers[0].cluster", "0..4"]),
-    ({"newcomers": [{"round": 3, "clients": [1, 99]}]}, ["newcomers[0].clients", "0..19"]),
-    ({"newcomers": [{"round": 3, "clients": [1, 1]}]}, ["newcomers[0].clients", "distinct"]),
-    ({"drift": [{"round": 3, "clients": [0], "to_cluster": 9}]}, ["drift[0].to_cluster", "0..4"]),
-    ({"drift": [{"round": 3, "clients": [0], "kind": "swap_labels", "labels": [1, 1]}]},
-     ["drift[0].labels", "two different"]),
-    ({"drift": [{"round": 3, "clients": "all", "to_cluster": 1}]}, ["drift[0].clients"]),
-])
+
+@pytest.mark.parametrize(
+    "pop, words",
+    [
+        ({"newcomers": [{"round": 3, "cluster": 7}]}, ["newcomers[0].cluster", "0..4"]),
+        ({"newcomers": [{"round": 3, "clients": [1, 99]}]}, ["newcomers[0].clients", "0..19"]),
+        ({"newcomers": [{"round": 3, "clients": [1, 1]}]}, ["newcomers[0].clients", "distinct"]),
+        ({"drift": [{"round": 3, "clients": [0], "to_cluster": 9}]}, ["drift[0].to_cluster", "0..4"]),
+        (
+            {"drift": [{"round": 3, "clients": [0], "kind": "swap_labels", "labels": [1, 1]}]},
+            ["drift[0].labels", "two different"],
+        ),
+        ({"drift": [{"round": 3, "clients": "all", "to_cluster": 1}]}, ["drift[0].clients"]),
+    ],
+)
 def test_bad_schedules_are_refused_by_validation(tmp_path, pop, words):
     import yaml
 
@@ -164,23 +194,33 @@ def test_bad_schedules_are_refused_by_validation(tmp_path, pop, words):
 
 def test_schedules_are_checked_against_the_partition():
     truth = np.repeat(np.arange(5), 4)
-    cfg = {"population": {"newcomers": [{"round": 3, "cluster": 4}],
-                          "drift": [{"round": 4, "clients": [0, 1], "to_cluster": 4}]}}
+    cfg = {
+        "population": {
+            "newcomers": [{"round": 3, "cluster": 4}],
+            "drift": [{"round": 4, "clients": [0, 1], "to_cluster": 4}],
+        }
+    }
     with pytest.raises(ConfigError, match=r"drift\[0\]: cluster 4 has 0 clients free"):
         schedule_from(cfg, truth)  # cluster 4 is still away when its members should swap
     with pytest.raises(ConfigError, match=r"newcomers\[0\].cluster: no client belongs to cluster 4"):
         schedule_from({"population": {"newcomers": [{"round": 3, "cluster": 4}]}}, np.full(20, -1))
     with pytest.raises(ConfigError, match=r"drift\[0\].labels: \[3, 12\] but the dataset has classes 0..9"):
-        schedule_from({"population": {"drift": [{"round": 3, "clients": [0], "kind": "swap_labels",
-                                                  "labels": [3, 12]}]}}, truth, num_classes=10)
+        schedule_from(
+            {"population": {"drift": [{"round": 3, "clients": [0], "kind": "swap_labels", "labels": [3, 12]}]}},
+            truth,
+            num_classes=10,
+        )
 
 
-@pytest.mark.parametrize("dist, words", [
-    ("{compute: {dist: constant, ms_per_sample: .nan}}", ["compute.ms_per_sample", "finite"]),
-    ("{network: [{share: 1, up_mbps: -1, down_mbps: 3}]}", ["network[0].up_mbps", "> 0"]),
-    ("{availability: {dist: windows, online_fraction: 1.5}}", ["online_fraction", "<= 1.0"]),
-    ("{latency: {dist: constant}}", ["profiles.latency: unknown key"]),
-])
+@pytest.mark.parametrize(
+    "dist, words",
+    [
+        ("{compute: {dist: constant, ms_per_sample: .nan}}", ["compute.ms_per_sample", "finite"]),
+        ("{network: [{share: 1, up_mbps: -1, down_mbps: 3}]}", ["network[0].up_mbps", "> 0"]),
+        ("{availability: {dist: windows, online_fraction: 1.5}}", ["online_fraction", "<= 1.0"]),
+        ("{latency: {dist: constant}}", ["profiles.latency: unknown key"]),
+    ],
+)
 def test_profile_distributions_are_checked_by_validation(dist, words):
     with pytest.raises(ConfigError) as exc:
         config.load(QUICKSTART, [f"population.profiles={{distribution: {dist}}}"])
@@ -204,22 +244,31 @@ def test_a_missing_encoder_dataset_stops_the_run_before_any_folder_or_process(tm
     empty = tmp_path / "empty"
     empty.mkdir()
     out = tmp_path / "run"
-    res = flt("run", str(QUICKSTART), "--set", f"methods=[fedavg, {{name: flt, encoder: {{dataset: mnist, "
-              f"root: {empty}}}}}]", "--out", str(out))
+    res = flt(
+        "run",
+        str(QUICKSTART),
+        "--set",
+        f"methods=[fedavg, {{name: flt, encoder: {{dataset: mnist, root: {empty}}}}}]",
+        "--out",
+        str(out),
+    )
     assert_one_line_error(res, 2, "methods[1](flt).encoder: dataset 'mnist'", str(empty))
     assert not out.exists()
 
 
 # -- relative paths and --methods labels ------------------------------------------------------
 
+
 def test_relative_paths_resolve_against_the_scenario_file_and_set_against_the_cwd(tmp_path, monkeypatch):
     (tmp_path / "sc").mkdir()
     path = tmp_path / "sc" / "x.yaml"
-    path.write_text("data: {dataset: mnist, root: ../data}\n"
-                    "population: {profiles: {trace: traces/t.csv}}\n"
-                    "methods: [fedavg, {name: flt, encoder: {dataset: femnist, root: ~/femnist}},\n"
-                    "          {name: flt, label: b, encoder: {dataset: fashion_mnist, root: /abs/fm}},\n"
-                    "          {name: flt, label: c, encoder: {dataset: femnist, root: ../fem}}]\n")
+    path.write_text(
+        "data: {dataset: mnist, root: ../data}\n"
+        "population: {profiles: {trace: traces/t.csv}}\n"
+        "methods: [fedavg, {name: flt, encoder: {dataset: femnist, root: ~/femnist}},\n"
+        "          {name: flt, label: b, encoder: {dataset: fashion_mnist, root: /abs/fm}},\n"
+        "          {name: flt, label: c, encoder: {dataset: femnist, root: ../fem}}]\n"
+    )
     monkeypatch.chdir(REPO)
     cfg = config.load(path)
     assert cfg["data"]["root"] == str(tmp_path / "data")
@@ -241,12 +290,16 @@ def test_compare_methods_accepts_labels_as_well_as_names():
     assert labels(["flt"]) == ["flt_enc1", "flt_enc2", "flt_paper"]
     assert labels(["cfl_tuned", "ifca"]) == ["cfl_tuned", "ifca"]
     assert labels(["flt", "flt_enc1"]) == ["flt_enc1", "flt_enc2", "flt_paper"]  # each entry once
-    with pytest.raises(ConfigError, match=r"unknown method or label 'flt_enc3'; methods: .*fedavg.*"
-                                          r"labels in this scenario: .*flt_enc1, flt_enc2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown method or label 'flt_enc3'; methods: .*fedavg.*"
+        r"labels in this scenario: .*flt_enc1, flt_enc2",
+    ):
         config.load(s1, [], ["flt_enc3"])
 
 
 # -- through the command line: one line, exit 2, no run folder --------------------------------
+
 
 def test_invalid_set_yaml_and_an_empty_file_exit_2_naming_field_and_file(tmp_path):
     out = tmp_path / "run"
@@ -283,10 +336,13 @@ def test_truncated_data_file_exits_2_naming_it_and_leaves_no_run_folder(tmp_path
     assert not out.exists()
 
 
-@pytest.mark.parametrize("override, words", [
-    ("partition.clients=10000000", ["partition.clients: 10000000 clients"]),
-    ("population.newcomers=[{round: 3, cluster: 1}]", ["newcomers[0].cluster: no client belongs to cluster 1"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("partition.clients=10000000", ["partition.clients: 10000000 clients"]),
+        ("population.newcomers=[{round: 3, cluster: 1}]", ["newcomers[0].cluster: no client belongs to cluster 1"]),
+    ],
+)
 def test_checks_against_the_data_leave_no_run_folder(tmp_path, override, words):
     out = tmp_path / "run"
     extra = ["--set", "partition.kind=dirichlet"] if "newcomers" in override else []
@@ -301,17 +357,26 @@ def test_a_scenario_runs_from_another_folder_and_prints_its_data_root(tmp_path):
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
     # the shipped S1 file names ../../shared/data relative to itself; stop right after the data
-    res = flt("run", str(REPO / "scenarios" / "s1_mnist.yaml"), "--set", "partition.clients=100000",
-              "--out", str(tmp_path / "run"), cwd=elsewhere)
+    res = flt(
+        "run",
+        str(REPO / "scenarios" / "s1_mnist.yaml"),
+        "--set",
+        "partition.clients=100000",
+        "--out",
+        str(tmp_path / "run"),
+        cwd=elsewhere,
+    )
     assert res.stdout.startswith(f"data: mnist from {SHARED.resolve()}\n"), res.stdout + res.stderr
     assert_one_line_error(res, 2, "partition.clients: 100000 clients")
 
 
 def test_a_bug_keeps_its_traceback_and_exits_1(tmp_path):
-    code = ("import sys; from emulator import cli, run\n"
-            "def broken(cfg, out=None, **kw): raise ValueError('a bug, not a mistake')\n"
-            "run.run_scenario = broken\n"
-            f"sys.exit(cli.main(['run', {str(QUICKSTART)!r}]))\n")
+    code = (
+        "import sys; from emulator import cli, run\n"
+        "def broken(cfg, out=None, **kw): raise ValueError('a bug, not a mistake')\n"
+        "run.run_scenario = broken\n"
+        f"sys.exit(cli.main(['run', {str(QUICKSTART)!r}]))\n"
+    )
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 1, res.stderr
     assert "Traceback" in res.stderr and "ValueError: a bug, not a mistake" in res.stderr
@@ -319,8 +384,18 @@ def test_a_bug_keeps_its_traceback_and_exits_1(tmp_path):
 
 
 def test_devices_that_never_connect_exit_3_with_one_line(tmp_path):
-    res = flt("run", str(QUICKSTART), "--set", "devices.processes=0", "--set", "devices.external=1",
-              "--set", "devices.start_timeout_s=0.5", "--out", str(tmp_path / "run"))
+    res = flt(
+        "run",
+        str(QUICKSTART),
+        "--set",
+        "devices.processes=0",
+        "--set",
+        "devices.external=1",
+        "--set",
+        "devices.start_timeout_s=0.5",
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert_one_line_error(res, 3, "0 of 1 devices connected")
 
 
@@ -335,8 +410,10 @@ def test_every_user_facing_error_shares_the_base():
 
 
 def test_dataset_names_follow_the_loaders_spelling():
-    assert config.load(QUICKSTART, ["data.dataset=emnist:letters", "data.root=/data"])["data"]["dataset"] \
+    assert (
+        config.load(QUICKSTART, ["data.dataset=emnist:letters", "data.root=/data"])["data"]["dataset"]
         == "emnist:letters"
+    )
     assert config.load(QUICKSTART, ["data.dataset=Fashion-MNIST", "data.root=/data"])
     with pytest.raises(ConfigError, match=r"data.dataset: expected one of digits, .*got 'emnist:nope'"):
         config.load(QUICKSTART, ["data.dataset=emnist:nope", "data.root=/data"])

@@ -1,4 +1,5 @@
 """The wire protocol: encoding, validation of malformed frames, and a real socket."""
+
 import contextlib
 import json
 import subprocess
@@ -15,15 +16,27 @@ from server.transport import Transport
 
 
 def _header(**over):
-    h = {"v": VERSION, "kind": "update", "run": "", "round": 1, "client": 3,
-         "tensors": [{"name": "model", "dtype": "float32", "shape": [4]}], "meta": {}}
+    h = {
+        "v": VERSION,
+        "kind": "update",
+        "run": "",
+        "round": 1,
+        "client": 3,
+        "tensors": [{"name": "model", "dtype": "float32", "shape": [4]}],
+        "meta": {},
+    }
     h.update(over)
     return json.dumps(h).encode()
 
 
 def test_roundtrip_keeps_tensors_and_meta():
-    msg = Message("train", 7, 12, tensors={"model": np.arange(6, dtype=np.float32).reshape(2, 3),
-                                           "idx": np.array([1, 2], dtype=np.int64)}, meta={"lr": 0.01})
+    msg = Message(
+        "train",
+        7,
+        12,
+        tensors={"model": np.arange(6, dtype=np.float32).reshape(2, 3), "idx": np.array([1, 2], dtype=np.int64)},
+        meta={"lr": 0.01},
+    )
     frames = encode(msg)
     out = decode([bytes(f) for f in frames])
     assert (out.kind, out.round, out.client, out.meta) == ("train", 7, 12, {"lr": 0.01})
@@ -33,18 +46,21 @@ def test_roundtrip_keeps_tensors_and_meta():
     assert payload == 6 * 4 + 2 * 8 and header == len(frames[0])
 
 
-@pytest.mark.parametrize("frames, what", [
-    ([], "empty"),
-    ([b"\xff\xfe not json"], "not JSON"),
-    ([b"[1, 2]"], "not a JSON object"),
-    ([_header(v=99), b"\0" * 16], "version"),
-    ([_header(kind="steal"), b"\0" * 16], "unknown message kind"),
-    ([_header(client="3"), b"\0" * 16], "client"),
-    ([_header(), b"\0" * 15], "expected 16"),
-    ([_header()], "0 frames"),
-    ([_header(tensors=[{"name": "m", "dtype": "object", "shape": [1]}]), b"\0" * 8], "dtype"),
-    ([_header(tensors=[{"name": "m", "dtype": "float32", "shape": [-1]}]), b""], "shape"),
-])
+@pytest.mark.parametrize(
+    "frames, what",
+    [
+        ([], "empty"),
+        ([b"\xff\xfe not json"], "not JSON"),
+        ([b"[1, 2]"], "not a JSON object"),
+        ([_header(v=99), b"\0" * 16], "version"),
+        ([_header(kind="steal"), b"\0" * 16], "unknown message kind"),
+        ([_header(client="3"), b"\0" * 16], "client"),
+        ([_header(), b"\0" * 15], "expected 16"),
+        ([_header()], "0 frames"),
+        ([_header(tensors=[{"name": "m", "dtype": "object", "shape": [1]}]), b"\0" * 8], "dtype"),
+        ([_header(tensors=[{"name": "m", "dtype": "float32", "shape": [-1]}]), b""], "shape"),
+    ],
+)
 def test_malformed_messages_are_rejected_with_a_reason(frames, what):
     with pytest.raises(ProtocolError, match=what):
         decode(frames)
@@ -105,26 +121,29 @@ def _spec(shape, dtype="float32"):
     return [{"name": "m", "dtype": dtype, "shape": shape}]
 
 
-@pytest.mark.parametrize("frames, what", [
-    ([b"[" * 100_000], "deeper"),                                   # RecursionError before
-    ([b'{"v": 1, "kind": ' + b"[" * 40 + b"]" * 40 + b"}"], "deeper"),
-    ([_header(tensors=_spec([2 ** 62, 4])), b"\0" * 16], "bad shape"),  # OverflowError before
-    ([_header(tensors=_spec([2 ** 20, 2 ** 20])), b"\0" * 16], "cap"),
-    ([_header(tensors=_spec([2 ** 70])), b"\0" * 16], "bad shape"),
-    ([_header(tensors=_spec([1] * 65)), b"\0" * 4], "at most 8"),   # ValueError in reshape before
-    ([_header(tensors=_spec([True, 4])), b"\0" * 16], "bad shape"),
-    ([_header(tensors=_spec(4)), b"\0" * 16], "shape must be a list"),
-    ([_header(tensors=_spec([4], dtype=["float32"])), b"\0" * 16], "dtype"),  # unhashable
-    ([_header(kind=["update"]), b"\0" * 16], "unknown message kind"),
-    ([_header(round=2 ** 70), b"\0" * 16], "round"),
-    ([_header(v=True), b"\0" * 16], "version"),
-    ([_header(meta=[]), b"\0" * 16], "meta"),
-    ([_header(run=5), b"\0" * 16], "run"),
-    ([b'{"v": 1, "round": ' + b"9" * 5000 + b"}"], "not JSON"),     # int() digit limit
-    ([_header(tensors=_spec([4]) * 2), b"\0" * 16, b"\0" * 16], "twice"),
-    ([b"x" * (2 << 20)], "header of"),
-    ([_header(tensors=[])] + [b""] * 17, "at most 16"),
-])
+@pytest.mark.parametrize(
+    "frames, what",
+    [
+        ([b"[" * 100_000], "deeper"),  # RecursionError before
+        ([b'{"v": 1, "kind": ' + b"[" * 40 + b"]" * 40 + b"}"], "deeper"),
+        ([_header(tensors=_spec([2**62, 4])), b"\0" * 16], "bad shape"),  # OverflowError before
+        ([_header(tensors=_spec([2**20, 2**20])), b"\0" * 16], "cap"),
+        ([_header(tensors=_spec([2**70])), b"\0" * 16], "bad shape"),
+        ([_header(tensors=_spec([1] * 65)), b"\0" * 4], "at most 8"),  # ValueError in reshape before
+        ([_header(tensors=_spec([True, 4])), b"\0" * 16], "bad shape"),
+        ([_header(tensors=_spec(4)), b"\0" * 16], "shape must be a list"),
+        ([_header(tensors=_spec([4], dtype=["float32"])), b"\0" * 16], "dtype"),  # unhashable
+        ([_header(kind=["update"]), b"\0" * 16], "unknown message kind"),
+        ([_header(round=2**70), b"\0" * 16], "round"),
+        ([_header(v=True), b"\0" * 16], "version"),
+        ([_header(meta=[]), b"\0" * 16], "meta"),
+        ([_header(run=5), b"\0" * 16], "run"),
+        ([b'{"v": 1, "round": ' + b"9" * 5000 + b"}"], "not JSON"),  # int() digit limit
+        ([_header(tensors=_spec([4]) * 2), b"\0" * 16, b"\0" * 16], "twice"),
+        ([b"x" * (2 << 20)], "header of"),
+        ([_header(tensors=[])] + [b""] * 17, "at most 16"),
+    ],
+)
 def test_crafted_messages_raise_only_protocol_error(frames, what):
     with pytest.raises(ProtocolError, match=what):
         decode(frames)
@@ -134,8 +153,7 @@ def test_random_and_mutated_frames_raise_only_protocol_error():
     """Decoding random bytes and single-byte mutations of valid messages either yields a
     message or raises ProtocolError: never another exception."""
     rng = np.random.default_rng(0)
-    valid = encode(Message("update", 3, 7, tensors={"model": np.ones((2, 3), np.float32)},
-                           meta={"n": 50, "batch": 4}))
+    valid = encode(Message("update", 3, 7, tensors={"model": np.ones((2, 3), np.float32)}, meta={"n": 50, "batch": 4}))
     header = bytes(valid[0])
     for _ in range(2000):
         raw = bytearray(header)
@@ -175,8 +193,10 @@ def test_rejections_are_counted_by_reason_and_their_bytes_kept_out_of_the_traffi
         dev.send_multipart(encode(Message("ready")))
         ident, msg = server.recv(timeout_s=10)
         assert (ident, msg.kind) == ("dev-a", "ready")
-        expected = {r: {"messages": 1, "bytes": len(sock.IDENTITY) + sum(len(bytes(f)) for f in fr)}
-                    for r, (sock, fr) in sent.items()}
+        expected = {
+            r: {"messages": 1, "bytes": len(sock.IDENTITY) + sum(len(bytes(f)) for f in fr)}
+            for r, (sock, fr) in sent.items()
+        }
         assert server.rejections.summary()["rejected_reasons"] == expected
         assert server.ledger.rejections.summary() == server.rejections.summary()
         totals = server.ledger.totals()
@@ -223,9 +243,11 @@ def test_gather_rejects_stale_mid_run_hello_and_checked_replies_and_keeps_the_go
     def answer(task):
         batch = task.meta["batch"]
         n = {0: 50, 1: 7}.get(task.client, 50)  # client 1 claims a wrong sample count
-        return [Message("metrics", 0, task.client, meta={"batch": batch - 1}),  # stale
-                Message("hello", meta={"name": "dev-a"}),                        # mid-run hello
-                Message("metrics", 0, task.client, meta={"batch": batch, "n": n})]
+        return [
+            Message("metrics", 0, task.client, meta={"batch": batch - 1}),  # stale
+            Message("hello", meta={"name": "dev-a"}),  # mid-run hello
+            Message("metrics", 0, task.client, meta={"batch": batch, "n": n}),
+        ]
 
     thread = threading.Thread(target=_serve, args=(server.endpoint, "dev-a", answer, stop))
     thread.start()
@@ -234,8 +256,12 @@ def test_gather_rejects_stale_mid_run_hello_and_checked_replies_and_keeps_the_go
         server.client_device.update({0: "dev-a", 1: "dev-a"})
         stranger = _dealer(server.endpoint, "stranger")
         time.sleep(0.3)
-        got = server.gather({c: Message("evaluate", 0, c) for c in (0, 1)}, "metrics", 10,
-                            check=lambda c, m: ("wrong sample count", "n") if m.meta["n"] != 50 else None)
+        got = server.gather(
+            {c: Message("evaluate", 0, c) for c in (0, 1)},
+            "metrics",
+            10,
+            check=lambda c, m: ("wrong sample count", "n") if m.meta["n"] != 50 else None,
+        )
         assert list(got) == [0]
         reasons = {r: v["messages"] for r, v in server.rejections.summary()["rejected_reasons"].items()}
         assert reasons == {"stale": 2, "hello mid-run": 3, "wrong sample count": 1}

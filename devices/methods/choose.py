@@ -6,6 +6,7 @@ line 6: j_m = argmin_j F_m(theta_j)) on its own, for a method that assigns clien
 the reply ("result") carries the index in meta "choice" and the K losses as tensor
 "losses", so the server can also form soft responsibilities from them.
 """
+
 from __future__ import annotations
 
 from devices.ops import candidate_losses, register, start_models
@@ -16,7 +17,13 @@ from models.wire import Message
 def choose(device, batch: list[Message]) -> list[Message]:
     shards = [device.shards[m.client] for m in batch]
     losses = candidate_losses(device, start_models(device, batch), [s.x for s in shards], [s.y for s in shards])
-    return [Message("result", m.round, m.client, tensors={"losses": loss.numpy()},
-                    meta={"batch": m.meta["batch"], "op": "choose", "choice": int(loss.argmin()),
-                          "n": len(s.y)})
-            for m, s, loss in zip(batch, shards, losses, strict=True)]
+    return [
+        Message(
+            "result",
+            m.round,
+            m.client,
+            tensors={"losses": loss.numpy()},
+            meta={"batch": m.meta["batch"], "op": "choose", "choice": int(loss.argmin()), "n": len(s.y)},
+        )
+        for m, s, loss in zip(batch, shards, losses, strict=True)
+    ]

@@ -84,9 +84,7 @@ def _section(spec, name):
     allowed = set(dists[dist]) | {"dist"}
     for k in sec:
         if k not in allowed:
-            raise ProfileError(
-                f"profiles.{name}.{k}: unknown key for dist {dist!r} (allowed: {sorted(allowed)})"
-            )
+            raise ProfileError(f"profiles.{name}.{k}: unknown key for dist {dist!r} (allowed: {sorted(allowed)})")
     merged = dict(dists[dist])
     merged.update({k: v for k, v in sec.items() if k != "dist"})
     return dist, merged
@@ -159,9 +157,7 @@ def profiles_from_distribution(n: int, spec: dict | None, rng: np.random.Generat
     period = check_number(sec["period_s"], "profiles.availability.period_s")
     wpp = sec["windows_per_period"]
     if isinstance(wpp, bool) or not isinstance(wpp, numbers.Integral) or wpp < 1:
-        raise ProfileError(
-            f"profiles.availability.windows_per_period: expected an integer >= 1, got {short(wpp)}"
-        )
+        raise ProfileError(f"profiles.availability.windows_per_period: expected an integer >= 1, got {short(wpp)}")
     wpp = int(wpp)
     if frac >= 1.0:
         return Profiles._from_flat(ms, up, down, lat, empty, empty, empty, np.zeros(n, bool), period)
@@ -173,6 +169,4 @@ def profiles_from_distribution(n: int, spec: dict | None, rng: np.random.Generat
     starts = phase[:, None] + np.cumsum(step, axis=1) - step
     ends = starts + on
     owner = np.repeat(np.arange(n), wpp)
-    return Profiles._from_flat(
-        ms, up, down, lat, starts.reshape(-1), ends.reshape(-1), owner, np.ones(n, bool), period
-    )
+    return Profiles._from_flat(ms, up, down, lat, starts.reshape(-1), ends.reshape(-1), owner, np.ones(n, bool), period)

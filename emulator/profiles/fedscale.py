@@ -43,7 +43,7 @@ def _safe_unpickle(path):
     except pickle.UnpicklingError as exc:
         if str(exc).startswith("forbidden global"):
             raise ProfileError(
-                f"{path}: refused: the pickle references {str(exc)[len('forbidden '):]}; "
+                f"{path}: refused: the pickle references {str(exc)[len('forbidden ') :]}; "
                 "only plain dicts, lists, numbers and strings are accepted"
             ) from None
         raise ProfileError(f"{path}: not a readable pickle: {exc}") from None
@@ -69,8 +69,9 @@ def _fs_number(value, where, *, allow_zero=False):
     return v
 
 
-def import_fedscale(capacity_path: str | os.PathLike, behave_path: str | os.PathLike | None = None, *,
-                    kbit_bits: float = 1000.0) -> Profiles:
+def import_fedscale(
+    capacity_path: str | os.PathLike, behave_path: str | os.PathLike | None = None, *, kbit_bits: float = 1000.0
+) -> Profiles:
     """Import FedScale's ``client_device_capacity`` (+ optional ``client_behave_trace``).
 
     ``kbit_bits``: bits in FedScale's kbit.  1000 (default) reads ``communication`` as
@@ -129,17 +130,13 @@ def import_fedscale(capacity_path: str | os.PathLike, behave_path: str | os.Path
         if len(ina) == len(act) - 1:
             ina = [*ina, period]  # last active span runs to the end of the trace
         elif len(ina) != len(act):
-            raise ProfileError(
-                f"{where}: 'active' has {len(act)} entries but 'inactive' has {len(ina)}"
-            )
+            raise ProfileError(f"{where}: 'active' has {len(act)} entries but 'inactive' has {len(ina)}")
         a = np.asarray(act, dtype=np.float64)
         b = np.asarray(ina, dtype=np.float64)
         bad = b < a
         if bad.any():
             j = int(np.argmax(bad))
-            raise ProfileError(
-                f"{where}: window {j} goes inactive at {b[j]:g} before it becomes active at {a[j]:g}"
-            )
+            raise ProfileError(f"{where}: window {j} goes inactive at {b[j]:g} before it becomes active at {a[j]:g}")
         parsed[k] = (a, b, period)
 
     counts = np.array([parsed[k][0].size for k in chosen], dtype=np.int64)

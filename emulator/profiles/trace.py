@@ -101,8 +101,7 @@ def _assemble_rows(path, rows, period):
     if m and (ids.max() >= m):
         missing = sorted(set(range(m)) - set(seen))
         raise ProfileError(
-            f"{path}: client ids must be exactly 0..{m - 1}; missing {missing[:5]}"
-            f"{'...' if len(missing) > 5 else ''}"
+            f"{path}: client ids must be exactly 0..{m - 1}; missing {missing[:5]}{'...' if len(missing) > 5 else ''}"
         )
     order = np.argsort(ids)
     rows = [rows[i] for i in order]
@@ -137,9 +136,7 @@ def _load_csv(path, text):
             header = fields
             for col in header:
                 if col not in _COLUMNS:
-                    raise ProfileError(
-                        f"{path} line {lineno}: unknown column {col!r} (expected {', '.join(_COLUMNS)})"
-                    )
+                    raise ProfileError(f"{path} line {lineno}: unknown column {col!r} (expected {', '.join(_COLUMNS)})")
             for col in _COLUMNS:
                 if col not in header:
                     raise ProfileError(f"{path} line {lineno}: missing column {col!r}")
@@ -149,9 +146,7 @@ def _load_csv(path, text):
         if len(fields) == len(header) - 1 and header[-1] == "windows":
             fields.append("")  # trailing empty windows without the comma
         if len(fields) != len(header):
-            raise ProfileError(
-                f"{path} line {lineno}: expected {len(header)} fields, got {len(fields)}"
-            )
+            raise ProfileError(f"{path} line {lineno}: expected {len(header)} fields, got {len(fields)}")
         rec = dict(zip(header, fields, strict=True))
         where = f"{path} line {lineno}"
         cid = _client_id(rec["client"], f"{where}, field 'client'")

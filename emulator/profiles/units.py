@@ -19,8 +19,9 @@ class ProfileError(FltError, ValueError):
     """A profile spec, trace file or profile array is invalid; the message says where."""
 
 
-def check_number(value, where: str, *, positive: bool = True, allow_zero: bool = False,
-                 upper: float | None = None) -> float:
+def check_number(
+    value, where: str, *, positive: bool = True, allow_zero: bool = False, upper: float | None = None
+) -> float:
     """`value` as a float if it is a finite real (not a bool) in range; else a ProfileError at `where`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ProfileError(f"{where}: expected a number, got {short(value)}")

@@ -57,9 +57,7 @@ def _normalize_windows(s, e, owner, m, period, had_any):
     bad = e < s
     if bad.any():
         i = int(np.argmax(bad))
-        raise ProfileError(
-            f"client {int(owner[i])}: window [{s[i]:g}, {e[i]:g}) ends before it starts"
-        )
+        raise ProfileError(f"client {int(owner[i])}: window [{s[i]:g}, {e[i]:g}) ends before it starts")
 
     p = period[owner]
     periodic = np.isfinite(p)
@@ -184,9 +182,7 @@ class Profiles:
 
     def __post_init__(self):
         m = int(np.size(self.ms_per_sample))
-        arrays = self._checked_arrays(
-            self.ms_per_sample, self.up_bps, self.down_bps, self.latency_s, m
-        )
+        arrays = self._checked_arrays(self.ms_per_sample, self.up_bps, self.down_bps, self.latency_s, m)
         if not isinstance(self.windows, (list, tuple)) or len(self.windows) != m:
             raise ProfileError(f"Profiles.windows: expected a list of {m} arrays (one per client)")
         flat, counts = [], np.zeros(m, dtype=np.int64)
@@ -198,8 +194,7 @@ class Profiles:
                 continue
             if a.ndim != 2 or a.shape[1] != 2:
                 raise ProfileError(
-                    f"Profiles.windows: client {c}: expected an array of [start, end) pairs, "
-                    f"got shape {a.shape}"
+                    f"Profiles.windows: client {c}: expected an array of [start, end) pairs, got shape {a.shape}"
                 )
             flat.append(a)
             counts[c] = a.shape[0]

@@ -5,6 +5,7 @@
 The files are generated so that they differ only in the four swept values; edit this
 script, not the files, and rerun it. `flt suite scenarios/ablation` runs them all.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -26,10 +27,12 @@ HEADER = """\
 # data.root is read against this file's folder: ../../../shared/data is the shared data
 #   beside the repository.
 """
-WHY = {100: "the paper's (MNIST's shared classes fall short: the\n#   partitioner splits them evenly, "
-            "493-498 train samples each).",
-       500: "the paper's 600 x 500 would need 300,000\n#   images (MNIST has 60,000); with each "
-            "shared class split among 200 clients, 87 is\n#   what its scarcest one (class 4) gives."}
+WHY = {
+    100: "the paper's (MNIST's shared classes fall short: the\n#   partitioner splits them evenly, "
+    "493-498 train samples each).",
+    500: "the paper's 600 x 500 would need 300,000\n#   images (MNIST has 60,000); with each "
+    "shared class split among 200 clients, 87 is\n#   what its scarcest one (class 4) gives.",
+}
 
 BODY = """\
 name: {name}

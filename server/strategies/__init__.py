@@ -1,4 +1,5 @@
 """Registry of federated methods: scenario files and summary.json use these names."""
+
 from server.strategies.cfl import CFL
 from server.strategies.fedavg import FedAvg
 from server.strategies.fedprox import FedProx
@@ -9,5 +10,4 @@ from server.strategies.ifca import IFCA
 from server.strategies.local import Local
 from server.strategies.pca_km_hc import PCAKMHC
 
-STRATEGIES = {cls.name: cls for cls in (FedAvg, FedProx, Local, FLT, PCAKMHC, IFCA, FedSEM,
-                                        FeSEMSoft, CFL)}
+STRATEGIES = {cls.name: cls for cls in (FedAvg, FedProx, Local, FLT, PCAKMHC, IFCA, FedSEM, FeSEMSoft, CFL)}

@@ -6,6 +6,7 @@ and asks which model each client is evaluated with (`eval_models`). One-off work
 before round 1 (FLT's FCR, IFCA's warm-up) goes in `setup`, which may use the
 federation's `train`, `evaluate` and `embed` calls.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,30 +21,31 @@ from server.checkpoint import restore_vars
 
 @dataclass
 class Task:
-    models: torch.Tensor | None      # [K, P] candidates (K = 1 except IFCA); None: device keeps its own
+    models: torch.Tensor | None  # [K, P] candidates (K = 1 except IFCA); None: device keeps its own
     meta: dict = field(default_factory=dict)
 
 
 @dataclass
 class Result:
-    model: torch.Tensor | None       # [P] on the server's device; None for device-resident models
-    n: int                           # training samples
+    model: torch.Tensor | None  # [P] on the server's device; None for device-resident models
+    n: int  # training samples
     meta: dict
 
 
 @dataclass
 class Context:
     """What a strategy knows about the federation at construction time."""
-    init: torch.Tensor               # [P] initial weights (same for every method of a run)
+
+    init: torch.Tensor  # [P] initial weights (same for every method of a run)
     n_clients: int
-    n_train: np.ndarray              # [M] training samples per client
-    device: torch.device             # where aggregation runs (CUDA when present)
+    n_train: np.ndarray  # [M] training samples per client
+    device: torch.device  # where aggregation runs (CUDA when present)
     seed: int
     run_dir: Path
-    truth: np.ndarray                # [M] planted cluster per client, -1 where unknown
-    train: dict                      # the scenario's train section (epochs, lr, batch_size, ...)
-    scenario: dict                   # the whole resolved scenario, for strategies that need data specs
-    public: np.ndarray | None = None # train-split indices held out from clients (public set)
+    truth: np.ndarray  # [M] planted cluster per client, -1 where unknown
+    train: dict  # the scenario's train section (epochs, lr, batch_size, ...)
+    scenario: dict  # the whole resolved scenario, for strategies that need data specs
+    public: np.ndarray | None = None  # train-split indices held out from clients (public set)
 
 
 class Strategy:
@@ -116,19 +118,23 @@ def weighted_average(models: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
     return (w / w.sum()) @ models
 
 
-def cluster_average(models: torch.Tensor, n: torch.Tensor, responsibilities: torch.Tensor,
-                    keep: torch.Tensor | None = None) -> torch.Tensor:
+def cluster_average(
+    models: torch.Tensor, n: torch.Tensor, responsibilities: torch.Tensor, keep: torch.Tensor | None = None
+) -> torch.Tensor:
     """The M-step of every clustered method: cluster c's model is
         W_c = sum_b r_cb n_b w_b / sum_b r_cb n_b
     over client models `models` [B, P] with sample counts `n` [B] and responsibilities
     [C, B], hard (one-hot columns, `one_hot`) or soft (columns summing to 1), as one
     matrix product. A cluster with no mass this round keeps its row of `keep` [C, P]
     (zeros without it)."""
-    weights = responsibilities.to(models.dtype) * n.to(models.dtype)[None, :]   # [C, B]
+    weights = responsibilities.to(models.dtype) * n.to(models.dtype)[None, :]  # [C, B]
     mass = weights.sum(1)
     hit = mass > 0
-    out = torch.zeros(len(weights), models.shape[1], dtype=models.dtype, device=models.device) \
-        if keep is None else keep.clone()
+    out = (
+        torch.zeros(len(weights), models.shape[1], dtype=models.dtype, device=models.device)
+        if keep is None
+        else keep.clone()
+    )
     out[hit] = (weights[hit] / mass[hit, None]) @ models
     return out
 

@@ -38,6 +38,7 @@ At most one split per cluster per round, as in the authors' code.
 
 Traffic: one model down and one up per selection, 2*rho*M*W_local*T.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -57,20 +58,24 @@ def cosine_similarity(updates: torch.Tensor) -> torch.Tensor:
 
 def bipartition(similarity: np.ndarray) -> np.ndarray:
     """Labels 0/1: complete-linkage agglomerative clustering of -similarity into two."""
-    return AgglomerativeClustering(n_clusters=2, metric="precomputed", linkage="complete") \
-        .fit(-similarity).labels_.astype(np.int64)
+    return (
+        AgglomerativeClustering(n_clusters=2, metric="precomputed", linkage="complete")
+        .fit(-similarity)
+        .labels_.astype(np.int64)
+    )
 
 
 class CFL(Strategy):
     name = "cfl"
     PARAMS = {
-        "eps1": Field(float, 0.4, "split only when the norm of the cluster's mean update is below this",
-                      min=0),
-        "eps2": Field(float, 1.6, "split only when the largest client update norm is above this "
-                      "(and the eps1 test holds)", min=0),
+        "eps1": Field(float, 0.4, "split only when the norm of the cluster's mean update is below this", min=0),
+        "eps2": Field(
+            float, 1.6, "split only when the largest client update norm is above this (and the eps1 test holds)", min=0
+        ),
         "warmup_rounds": Field(int, 20, "no split in rounds 1..warmup_rounds", min=0),
-        "min_cluster_size": Field(int, 2, "split only a cluster with more than this many returned "
-                                  "clients (authors' code: len > 2)", min=1),
+        "min_cluster_size": Field(
+            int, 2, "split only a cluster with more than this many returned clients (authors' code: len > 2)", min=1
+        ),
     }
 
     def __init__(self, ctx, **params):
@@ -78,14 +83,14 @@ class CFL(Strategy):
         p = self.params
         self.eps1, self.eps2 = float(p["eps1"]), float(p["eps2"])
         self.warmup, self.min_size = int(p["warmup_rounds"]), int(p["min_cluster_size"])
-        self.models = self.on(ctx.init.clone())[None]            # [clusters, P]
-        self.labels = np.zeros(ctx.n_clients, dtype=np.int64)    # cluster (provisional if pending)
+        self.models = self.on(ctx.init.clone())[None]  # [clusters, P]
+        self.labels = np.zeros(ctx.n_clients, dtype=np.int64)  # cluster (provisional if pending)
         self.pending = np.full(ctx.n_clients, -1, dtype=np.int64)  # split a client waits at, or -1
-        self.sent: dict[int, tuple[str, int]] = {}                 # client -> ("cluster"|"split", id)
-        self.splits: list[dict] = []                              # report, one per split
-        self.tree: list[dict] = []                                # per split: parent model, part dirs
-        self.norms: list[dict] = []                               # per round and cluster
-        self.sorted_late = 0                                      # pending clients sorted so far
+        self.sent: dict[int, tuple[str, int]] = {}  # client -> ("cluster"|"split", id)
+        self.splits: list[dict] = []  # report, one per split
+        self.tree: list[dict] = []  # per split: parent model, part dirs
+        self.norms: list[dict] = []  # per round and cluster
+        self.sorted_late = 0  # pending clients sorted so far
 
     def train_tasks(self, rnd: int, selected: np.ndarray) -> dict[int, Task]:
         host = self.models.cpu()
@@ -111,7 +116,7 @@ class CFL(Strategy):
     def _cluster_round(self, rnd, clients, results) -> None:
         models, n = stack(results, clients)
         sent = np.array([self.sent[c][1] for c in clients], dtype=np.int64)
-        updates = models - self.models[torch.as_tensor(sent, device=models.device)]   # dW_i
+        updates = models - self.models[torch.as_tensor(sent, device=models.device)]  # dW_i
         norms = updates.norm(dim=1)
         similarity = None
         new_models = list(self.models.clone())
@@ -120,10 +125,16 @@ class CFL(Strategy):
             sub = torch.as_tensor(idx, device=models.device)
             mean_update = weighted_average(updates[sub], n[sub])
             mean_norm, max_norm = float(mean_update.norm()), float(norms[sub].max())
-            self.norms.append({"round": int(rnd), "cluster": int(k), "mean_norm": mean_norm,
-                               "max_norm": max_norm, "returned": int(len(idx))})
-            if (rnd > self.warmup and mean_norm < self.eps1 and max_norm > self.eps2
-                    and len(idx) > self.min_size):
+            self.norms.append(
+                {
+                    "round": int(rnd),
+                    "cluster": int(k),
+                    "mean_norm": mean_norm,
+                    "max_norm": max_norm,
+                    "returned": int(len(idx)),
+                }
+            )
+            if rnd > self.warmup and mean_norm < self.eps1 and max_norm > self.eps2 and len(idx) > self.min_size:
                 if similarity is None:
                     similarity = cosine_similarity(updates).cpu().numpy()
                 part = bipartition(similarity[np.ix_(idx, idx)])
@@ -150,12 +161,19 @@ class CFL(Strategy):
             d = (updates[sub] / updates[sub].norm(dim=1, keepdim=True).clamp_min(1e-12)).mean(0)
             dirs.append(d / d.norm().clamp_min(1e-12))
         new_models[k] = out[0]
-        self.tree.append({"round": int(rnd), "cluster": k, "parts": (k, new_k),
-                          "parent": parent.clone(), "dirs": torch.stack(dirs)})
-        self.splits.append({"round": int(rnd), "cluster": k, "new_cluster": new_k,
-                            "returned_sizes": [int((part == 0).sum()), int((part == 1).sum())],
-                            "pending": int(len(absent)),
-                            "sizes": [int((self.labels == k).sum()), int((self.labels == new_k).sum())]})
+        self.tree.append(
+            {"round": int(rnd), "cluster": k, "parts": (k, new_k), "parent": parent.clone(), "dirs": torch.stack(dirs)}
+        )
+        self.splits.append(
+            {
+                "round": int(rnd),
+                "cluster": k,
+                "new_cluster": new_k,
+                "returned_sizes": [int((part == 0).sum()), int((part == 1).sum())],
+                "pending": int(len(absent)),
+                "sizes": [int((self.labels == k).sum()), int((self.labels == new_k).sum())],
+            }
+        )
         return out[1]
 
     def _sort_pending(self, clients, results) -> None:
@@ -165,7 +183,7 @@ class CFL(Strategy):
             s = self.sent[c][1]
             node = self.tree[s]
             update = results[c].model - node["parent"]
-            side = int((node["dirs"] @ update).argmax())   # dirs are unit rows: argmax of cosine
+            side = int((node["dirs"] @ update).argmax())  # dirs are unit rows: argmax of cosine
             target = node["parts"][side]
             later = next((j for j in range(s + 1, len(self.tree)) if self.tree[j]["cluster"] == target), None)
             self.labels[c] = target
@@ -182,12 +200,16 @@ class CFL(Strategy):
         return self.models.cpu(), self.labels[np.asarray(clients, dtype=np.int64)].copy()
 
     def summary(self) -> dict:
-        return {"splits": self.splits, "clusters": int(len(self.models)),
-                "found_clusters": self.labels.tolist(),
-                "cluster_sizes": np.bincount(self.labels, minlength=len(self.models)).tolist(),
-                "pending_clients": int((self.pending >= 0).sum()), "sorted_after_split": self.sorted_late,
-                "update_norms": self.norms,
-                **agreement(self.labels, self.ctx.truth)}
+        return {
+            "splits": self.splits,
+            "clusters": int(len(self.models)),
+            "found_clusters": self.labels.tolist(),
+            "cluster_sizes": np.bincount(self.labels, minlength=len(self.models)).tolist(),
+            "pending_clients": int((self.pending >= 0).sum()),
+            "sorted_after_split": self.sorted_late,
+            "update_norms": self.norms,
+            **agreement(self.labels, self.ctx.truth),
+        }
 
     def expected_bytes(self, selections: int, model_bytes: int) -> dict:
         return {"formula": "2*rho*M*W_local*T", "bytes": 2 * selections * model_bytes}

@@ -5,6 +5,7 @@ Each round a fraction rho of clients receives the global model w_t, runs E epoch
 SGD with batch B on its own data, and returns w_{t+1}^k. The server sets
 w_{t+1} = sum_k (n_k / n) w_{t+1}^k over the clients that returned.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -11,6 +11,7 @@ by E epochs of SGD started from w^t. The server sends mu with the model (meta
 The paper's device-side partial work (stragglers doing fewer epochs) is the emulator's
 business (deadlines drop late clients); the aggregation keeps every returned update.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,8 +24,12 @@ from server.strategies.fedavg import FedAvg
 class FedProx(FedAvg):
     name = "fedprox"
     PARAMS = {
-        "mu": Field(float, 0.01, "proximal coefficient mu of (mu/2)||w - w_t||^2 "
-                    "(the paper tunes mu in {0.001, 0.01, 0.1, 1}; 0 = FedAvg)", min=0),
+        "mu": Field(
+            float,
+            0.01,
+            "proximal coefficient mu of (mu/2)||w - w_t||^2 (the paper tunes mu in {0.001, 0.01, 0.1, 1}; 0 = FedAvg)",
+            min=0,
+        ),
     }
 
     def __init__(self, ctx, **params):

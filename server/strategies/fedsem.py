@@ -26,6 +26,7 @@ Choices made where the paper leaves room:
 
 Traffic: one model down and one up per selection, 2*rho*M*W_local*T.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -40,10 +41,19 @@ class FedSEM(Strategy):
     name = "fedsem"
     PARAMS = {
         "centers": Field(int, 5, "K, the number of centre models", min=1),
-        "reassign_every": Field(int, 1, "re-assign returned models to their nearest centre every this "
-                                "many rounds (1: every round, as in the paper)", min=1),
-        "init": Field(str, "random_clients", "centre initialisation: k-means++-style seeded pick among "
-                      "the first round's returned models", choices=("random_clients",)),
+        "reassign_every": Field(
+            int,
+            1,
+            "re-assign returned models to their nearest centre every this "
+            "many rounds (1: every round, as in the paper)",
+            min=1,
+        ),
+        "init": Field(
+            str,
+            "random_clients",
+            "centre initialisation: k-means++-style seeded pick among the first round's returned models",
+            choices=("random_clients",),
+        ),
     }
 
     def __init__(self, ctx, **params):
@@ -51,11 +61,11 @@ class FedSEM(Strategy):
         self.k = int(self.params["centers"])
         self.every = int(self.params["reassign_every"])
         self.rng = np.random.default_rng(int(ctx.seed))
-        self.global_model = self.on(ctx.init.clone())    # before the centres exist
-        self.centres: torch.Tensor | None = None         # [K, P]
+        self.global_model = self.on(ctx.init.clone())  # before the centres exist
+        self.centres: torch.Tensor | None = None  # [K, P]
         self.assign = np.full(ctx.n_clients, -1, dtype=np.int64)
         self.init_round: int | None = None
-        self.moves = 0                                    # re-assignments that changed centre
+        self.moves = 0  # re-assignments that changed centre
 
     # -- helpers ------------------------------------------------------------------------
     def kmeanspp(self, models: torch.Tensor) -> torch.Tensor:
@@ -86,8 +96,7 @@ class FedSEM(Strategy):
 
     def default_centre(self) -> int:
         """The centre nearest to the sample-weighted average of the centres."""
-        mass = np.bincount(self.assign[self.assign >= 0], weights=self.ctx.n_train[self.assign >= 0],
-                           minlength=self.k)
+        mass = np.bincount(self.assign[self.assign >= 0], weights=self.ctx.n_train[self.assign >= 0], minlength=self.k)
         if mass.sum() == 0:
             mass = np.ones(self.k)
         centres = self.placed()
@@ -108,7 +117,7 @@ class FedSEM(Strategy):
         if not results:
             return
         clients = sorted(results)
-        models, n = stack(results, clients)                               # [s, P], [s]
+        models, n = stack(results, clients)  # [s, P], [s]
         if self.centres is None:
             if len(clients) < self.k:
                 self.global_model = weighted_average(models, n)
@@ -128,8 +137,7 @@ class FedSEM(Strategy):
         new = np.where(redo, resp.argmax(0).cpu().numpy(), old)
         self.moves += int(((old >= 0) & (new != old)).sum())
         self.assign[clients] = new
-        return torch.where(torch.as_tensor(redo, device=models.device)[None], resp,
-                           one_hot(new, self.k, models))
+        return torch.where(torch.as_tensor(redo, device=models.device)[None], resp, one_hot(new, self.k, models))
 
     def responsibilities(self, models: torch.Tensor) -> torch.Tensor:
         """The paper's hard E-step: nearest centre in L2 parameter distance, one-hot [K, s]."""
@@ -147,9 +155,13 @@ class FedSEM(Strategy):
         truth = self.ctx.truth.copy()
         truth[self.assign < 0] = -1  # score only assigned clients
         sizes = np.bincount(self.assign[self.assign >= 0], minlength=self.k)
-        return {"found_clusters": self.assign.tolist(), "cluster_sizes": sizes.tolist(),
-                "init_round": self.init_round, "reassignments": self.moves,
-                **agreement(self.assign, truth)}
+        return {
+            "found_clusters": self.assign.tolist(),
+            "cluster_sizes": sizes.tolist(),
+            "init_round": self.init_round,
+            "reassignments": self.moves,
+            **agreement(self.assign, truth),
+        }
 
     def expected_bytes(self, selections: int, model_bytes: int) -> dict:
         return {"formula": "2*rho*M*W_local*T", "bytes": 2 * selections * model_bytes}

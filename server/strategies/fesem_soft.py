@@ -23,6 +23,7 @@ hard assignment). Only the E-step is this file's. The device side is FedSEM's to
 
 Traffic: one model down and one up per selection, 2*rho*M*W_local*T (as FedSEM).
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,8 +36,14 @@ class FeSEMSoft(FedSEM):
     name = "fesem_soft"
     PARAMS = {
         **FedSEM.PARAMS,
-        "temperature": Field(float, 0.1, "T of the soft E-step, in units of the round's mean squared "
-                             "model-centre distance (-> 0: FedSEM's hard assignment)", min=0, open_min=True),
+        "temperature": Field(
+            float,
+            0.1,
+            "T of the soft E-step, in units of the round's mean squared "
+            "model-centre distance (-> 0: FedSEM's hard assignment)",
+            min=0,
+            open_min=True,
+        ),
     }
 
     def __init__(self, ctx, **params):
@@ -46,8 +53,8 @@ class FeSEMSoft(FedSEM):
 
     def responsibilities(self, models: torch.Tensor) -> torch.Tensor:
         """r [K, s]: a softmax over centres of the scaled negative squared distances."""
-        d = torch.cdist(models, self.placed()) ** 2                  # [s, K]
-        scale = d.mean().clamp_min(torch.finfo(d.dtype).tiny)       # all models equal: uniform
+        d = torch.cdist(models, self.placed()) ** 2  # [s, K]
+        scale = d.mean().clamp_min(torch.finfo(d.dtype).tiny)  # all models equal: uniform
         r = torch.softmax(-d / (self.temperature * scale), dim=1)
         self.confidence.append(float(r.max(1).values.mean()))
         return r.T

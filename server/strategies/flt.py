@@ -29,6 +29,7 @@ and step 3 re-runs. A newcomer joins the cluster whose mean embedding is nearest
 triggers the re-run (`newcomers`). A client without a cluster (its embedding failed)
 trains and is evaluated with the global model and never touches a cluster's model.
 """
+
 from __future__ import annotations
 
 import time
@@ -49,15 +50,20 @@ from server.fcr_report import agreement, plot_fcr
 from server.strategies.base import Result, Strategy, Task, cluster_average, one_hot, stack, weighted_average
 
 ENCODER = {
-    "dataset": Field(str, "public", "pretraining set: 'public' (held-out slice of the train split) "
-                     "or another dataset's name (Enc2, e.g. fashion_mnist for mnist)"),
+    "dataset": Field(
+        str,
+        "public",
+        "pretraining set: 'public' (held-out slice of the train split) "
+        "or another dataset's name (Enc2, e.g. fashion_mnist for mnist)",
+    ),
     "root": Field(str, None, "data root of that dataset (default: the scenario's)", nullable=True),
     "epochs": Field(int, 10, "pretraining epochs", min=1),
     "lr": Field(float, 1e-3, "Adam learning rate", min=0, open_min=True),
     "batch_size": Field(int, 64, "pretraining batch", min=1),
     "latent": Field(int, 128, "embedding size e", min=1),
-    "finetune_epochs": Field(int, 0, "J: clients fine-tune the autoencoder this many epochs "
-                             "(0 = frozen encoder sent as ONNX)", min=0),
+    "finetune_epochs": Field(
+        int, 0, "J: clients fine-tune the autoencoder this many epochs (0 = frozen encoder sent as ONNX)", min=0
+    ),
     "finetune_lr": Field(float, 1e-3, "clients' Adam learning rate for fine-tuning", min=0, open_min=True),
     "finetune_batch": Field(int, 32, "clients' fine-tuning batch", min=1),
 }
@@ -76,27 +82,69 @@ def positive_or_auto(value) -> str | None:
 
 
 RELATEDNESS = {
-    "relatedness": Field(str, "set", "FCR pipeline: 'set' (symmetric Chamfer distance between clients' "
-                         "centroid sets in the encoder's space, average linkage, C by silhouette: no "
-                         "threshold, no per-dataset knob) or 'paper' (UMAP, closest-pair distance, "
-                         "A~ = [A <= gamma], Ward on A~, C at the largest dendrogram gap)",
-                         choices=tuple(fcr.PRESETS)),
-    "space": Field(str, None, "override the pipeline's space: 'embedding' (the e-dim centroids) or "
-                   "'umap'", nullable=True, choices=fcr.SPACES),
-    "distance": Field(str, None, "override A_ij between two clients' centroid sets: chamfer, hausdorff "
-                      "or min (the single closest pair)", nullable=True, choices=fcr.DISTANCES),
-    "linkage": Field(str, None, "override the clustering: average, complete, single or ward linkage on A, or "
-                     "ward_graph (Ward on the rows of A~; needs gamma)", nullable=True, choices=fcr.LINKAGES),
-    "choose_clusters": Field(str, None, "override how clusters: auto picks C: silhouette of A or the "
-                             "largest dendrogram gap", nullable=True, choices=fcr.CHOOSERS),
-    "gamma": Field(float, None, "threshold A~ = [A <= gamma], in the units of A (null: the pipeline's: "
-                   "none for 'set', whose graph is 'same cluster'; 1.0 for 'paper')",
-                   nullable=True, min=0, open_min=True),
-    "min_silhouette": Field(float, 0.35, "with choose_clusters silhouette: below this best score the "
-                            "clients form one cluster (no structure)", min=-1.0, max=1.0),
-    "silhouette_slack": Field(float, 0.02, "with choose_clusters silhouette: the finest cut whose score "
-                              "is within this of the best wins (merging two clusters costs more than "
-                              "splitting one)", min=0.0, max=1.0),
+    "relatedness": Field(
+        str,
+        "set",
+        "FCR pipeline: 'set' (symmetric Chamfer distance between clients' "
+        "centroid sets in the encoder's space, average linkage, C by silhouette: no "
+        "threshold, no per-dataset knob) or 'paper' (UMAP, closest-pair distance, "
+        "A~ = [A <= gamma], Ward on A~, C at the largest dendrogram gap)",
+        choices=tuple(fcr.PRESETS),
+    ),
+    "space": Field(
+        str,
+        None,
+        "override the pipeline's space: 'embedding' (the e-dim centroids) or 'umap'",
+        nullable=True,
+        choices=fcr.SPACES,
+    ),
+    "distance": Field(
+        str,
+        None,
+        "override A_ij between two clients' centroid sets: chamfer, hausdorff or min (the single closest pair)",
+        nullable=True,
+        choices=fcr.DISTANCES,
+    ),
+    "linkage": Field(
+        str,
+        None,
+        "override the clustering: average, complete, single or ward linkage on A, or "
+        "ward_graph (Ward on the rows of A~; needs gamma)",
+        nullable=True,
+        choices=fcr.LINKAGES,
+    ),
+    "choose_clusters": Field(
+        str,
+        None,
+        "override how clusters: auto picks C: silhouette of A or the largest dendrogram gap",
+        nullable=True,
+        choices=fcr.CHOOSERS,
+    ),
+    "gamma": Field(
+        float,
+        None,
+        "threshold A~ = [A <= gamma], in the units of A (null: the pipeline's: "
+        "none for 'set', whose graph is 'same cluster'; 1.0 for 'paper')",
+        nullable=True,
+        min=0,
+        open_min=True,
+    ),
+    "min_silhouette": Field(
+        float,
+        0.35,
+        "with choose_clusters silhouette: below this best score the clients form one cluster (no structure)",
+        min=-1.0,
+        max=1.0,
+    ),
+    "silhouette_slack": Field(
+        float,
+        0.02,
+        "with choose_clusters silhouette: the finest cut whose score "
+        "is within this of the best wins (merging two clusters costs more than "
+        "splitting one)",
+        min=0.0,
+        max=1.0,
+    ),
 }
 
 
@@ -105,27 +153,55 @@ class FLT(Strategy):
     DEVICE_OPS = ("train", "evaluate", "embed")  # embed: FCR's encoder and k-means (also PCA+kM+HC)
     PARAMS = {
         "encoder": section(ENCODER, "the ConvAE encoder"),
-        "k": Field((int, str), 5, "k-means centroids per client, or 'auto' (silhouette, per client)",
-                   rule=positive_or_auto),
+        "k": Field(
+            (int, str), 5, "k-means centroids per client, or 'auto' (silhouette, per client)", rule=positive_or_auto
+        ),
         "umap": section(UMAP, "UMAP projection of the centroids (when the space is 'umap')"),
         **RELATEDNESS,
-        "adjacency": Field(str, "hard", "Case I neighbours: the 0/1 graph A~, or soft weights "
-                           "exp(-(A/gamma)^2) (gamma null: the median of A)", choices=("hard", "soft")),
-        "aggregation": Field(str, "case2", "case1: personalized graph; case2: FedAvg per cluster",
-                             choices=("case1", "case2")),
+        "adjacency": Field(
+            str,
+            "hard",
+            "Case I neighbours: the 0/1 graph A~, or soft weights exp(-(A/gamma)^2) (gamma null: the median of A)",
+            choices=("hard", "soft"),
+        ),
+        "aggregation": Field(
+            str, "case2", "case1: personalized graph; case2: FedAvg per cluster", choices=("case1", "case2")
+        ),
         "clusters": Field((int, str), "auto", "C, or 'auto' (see choose_clusters)", rule=positive_or_auto),
         "max_clusters": Field(int, 20, "upper bound when clusters is 'auto'", min=1),
-        "newcomers": Field(str, "nearest", "place a newcomer in the cluster with the nearest mean "
-                           "embedding, or re-run FCR over everyone", choices=("nearest", "recluster")),
-        "recluster_flags": Field(int, None, "lambda: re-run FCR when more than this many clients have an "
-                                 "outstanding data-change flag (null: never)", nullable=True, min=0),
-        "flag_patience": Field(int, 2, "with lambda set: a flag outstanding this many rounds re-runs FCR "
-                               "even below lambda, so no drifted client is stranded", min=1),
-        "recluster_every": Field(int, None, "tau: re-run FCR every tau rounds, everyone re-embedding "
-                                 "(null: never)", nullable=True, min=1),
-        "monitor_cosine": Field(float, None, "server-side monitor (case2): flag a client whose update's "
-                                "cosine similarity to its cluster's mean update is below this "
-                                "(null: off)", nullable=True, min=-1.0, max=1.0),
+        "newcomers": Field(
+            str,
+            "nearest",
+            "place a newcomer in the cluster with the nearest mean embedding, or re-run FCR over everyone",
+            choices=("nearest", "recluster"),
+        ),
+        "recluster_flags": Field(
+            int,
+            None,
+            "lambda: re-run FCR when more than this many clients have an outstanding data-change flag (null: never)",
+            nullable=True,
+            min=0,
+        ),
+        "flag_patience": Field(
+            int,
+            2,
+            "with lambda set: a flag outstanding this many rounds re-runs FCR "
+            "even below lambda, so no drifted client is stranded",
+            min=1,
+        ),
+        "recluster_every": Field(
+            int, None, "tau: re-run FCR every tau rounds, everyone re-embedding (null: never)", nullable=True, min=1
+        ),
+        "monitor_cosine": Field(
+            float,
+            None,
+            "server-side monitor (case2): flag a client whose update's "
+            "cosine similarity to its cluster's mean update is below this "
+            "(null: off)",
+            nullable=True,
+            min=-1.0,
+            max=1.0,
+        ),
     }
 
     @classmethod
@@ -140,23 +216,32 @@ class FLT(Strategy):
     def pipeline(cls, params: dict) -> fcr.Relatedness:
         """The preset with the scenario's overrides applied."""
         base = fcr.PRESETS[params["relatedness"]]
-        over = {"space": params["space"], "distance": params["distance"], "linkage": params["linkage"],
-                "choose": params["choose_clusters"], "gamma": params["gamma"]}
-        return replace(base, min_silhouette=params["min_silhouette"], silhouette_slack=params["silhouette_slack"],
-                       **{k: v for k, v in over.items() if v is not None})
+        over = {
+            "space": params["space"],
+            "distance": params["distance"],
+            "linkage": params["linkage"],
+            "choose": params["choose_clusters"],
+            "gamma": params["gamma"],
+        }
+        return replace(
+            base,
+            min_silhouette=params["min_silhouette"],
+            silhouette_slack=params["silhouette_slack"],
+            **{k: v for k, v in over.items() if v is not None},
+        )
 
     def __init__(self, ctx, **params):
         super().__init__(ctx, **params)
         m = ctx.n_clients
         self.how = self.pipeline(params)
-        self.fcr_reports: list[dict] = []   # the initial FCR, then every re-clustering
-        self.labels = np.zeros(m, dtype=np.int64)    # before FCR: everyone in one cluster
+        self.fcr_reports: list[dict] = []  # the initial FCR, then every re-clustering
+        self.labels = np.zeros(m, dtype=np.int64)  # before FCR: everyone in one cluster
         self.graph = np.ones((m, m), dtype=np.float32)
         case2 = params["aggregation"] == "case2"
         self.models = self.on(ctx.init.clone())[None].expand(1 if case2 else m, -1).clone()
         self.centroids: dict[int, np.ndarray] = {}
         self.flag_round: dict[int, int] = {}  # outstanding data-change flags: client -> round first seen
-        self.monitored: set[int] = set()      # of those, flagged by the server-side monitor
+        self.monitored: set[int] = set()  # of those, flagged by the server-side monitor
         self.payload_bytes, self.centroids_sent, self.encoders_sent = 0, 0, 0
         self.encoder_info: dict = {}
 
@@ -169,8 +254,13 @@ class FLT(Strategy):
         if not ex.results:
             raise DeviceError("FCR: no client sent centroids (see the device logs)")
         report = self.relate(fed.present)
-        report.update(round=0, cause="initial", seconds=time.perf_counter() - tic, **_cost(ex),
-                      unassigned=sorted(set(np.asarray(fed.present).tolist()) - set(ex.results)))
+        report.update(
+            round=0,
+            cause="initial",
+            seconds=time.perf_counter() - tic,
+            **_cost(ex),
+            unassigned=sorted(set(np.asarray(fed.present).tolist()) - set(ex.results)),
+        )
         self.fcr_reports.append(report)
 
     def embed(self, fed, clients, rnd: int, purpose: str = "fcr") -> Exchange:
@@ -198,16 +288,19 @@ class FLT(Strategy):
         if e["finetune_epochs"] == 0:
             onnx = np.frombuffer(export_encoder_onnx(ae, tuple(images.shape[1:])), dtype=np.uint8)
             return {"onnx": onnx}, meta | {"format": "onnx"}, info
-        meta |= {"format": "autoencoder", "finetune": {"epochs": e["finetune_epochs"],
-                 "lr": e["finetune_lr"], "batch_size": e["finetune_batch"]}}
+        meta |= {
+            "format": "autoencoder",
+            "finetune": {"epochs": e["finetune_epochs"], "lr": e["finetune_lr"], "batch_size": e["finetune_batch"]},
+        }
         return {"weights": flatten(ae).numpy()}, meta, info
 
     def project(self, points: list[np.ndarray]) -> list[np.ndarray]:
         if self.how.space == "embedding":
             return points
         u = self.params["umap"]
-        return fcr.umap_project(points, u["n_components"], u["n_neighbors"], u["min_dist"],
-                                u["metric"], seed=self.ctx.seed)
+        return fcr.umap_project(
+            points, u["n_components"], u["n_neighbors"], u["min_dist"], u["metric"], seed=self.ctx.seed
+        )
 
     def threshold(self, points: list[np.ndarray]) -> fcr.Relatedness:
         """The pipeline for these points (PCA+kM+HC fills a scale-free gamma here)."""
@@ -224,28 +317,58 @@ class FLT(Strategy):
         labels = np.full(self.ctx.n_clients, -1, dtype=np.int64)
         labels[clients] = found.labels
         graph = np.eye(self.ctx.n_clients, dtype=np.float32)
-        graph[np.ix_(clients, clients)] = found.graph if self.params["adjacency"] == "hard" else \
-            fcr.soft_weights(found.distance, how.gamma or _median_offdiagonal(found.distance))
+        graph[np.ix_(clients, clients)] = (
+            found.graph
+            if self.params["adjacency"] == "hard"
+            else fcr.soft_weights(found.distance, how.gamma or _median_offdiagonal(found.distance))
+        )
         self._carry_models(labels, graph, found.n_clusters)
         old = self.labels
         self.labels, self.graph = labels, graph
         order = fcr.leaf_order(found.linkage, len(clients))
         truth = self.ctx.truth[clients]
-        report = {"server_seconds": time.perf_counter() - tic, "clusters": found.n_clusters,
-                  "gamma": how.gamma, "silhouette": found.silhouette, "pipeline": asdict(how),
-                  "cluster_sizes": np.bincount(found.labels).tolist(),
-                  "mean_degree": float(found.graph.sum(1).mean()), "n_clients": int(len(clients)),
-                  "latent": int(points[0].shape[1]) if self.how.space == "embedding" else
-                  int(next(iter(self.centroids.values())).shape[1]),
-                  "centroids_sent": self.centroids_sent, "encoder_bytes": self.payload_bytes,
-                  **self.encoder_info, **agreement(found.labels, truth)}
-        np.savez(self.ctx.run_dir / f"fcr{tag}.npz", clients=clients, adjacency=found.distance,
-                 graph=found.graph, labels=found.labels, truth=truth, old_labels=old[clients],
-                 linkage=found.linkage, order=order, points=np.concatenate(points),
-                 owner=np.repeat(clients, [len(p) for p in points]),
-                 centroids=np.concatenate([self.centroids[c] for c in clients]))
-        plot_fcr(self.ctx.run_dir, found.distance, found.graph, found.linkage, order,
-                 _scatter_points(points), found.labels, truth, tag)
+        report = {
+            "server_seconds": time.perf_counter() - tic,
+            "clusters": found.n_clusters,
+            "gamma": how.gamma,
+            "silhouette": found.silhouette,
+            "pipeline": asdict(how),
+            "cluster_sizes": np.bincount(found.labels).tolist(),
+            "mean_degree": float(found.graph.sum(1).mean()),
+            "n_clients": int(len(clients)),
+            "latent": int(points[0].shape[1])
+            if self.how.space == "embedding"
+            else int(next(iter(self.centroids.values())).shape[1]),
+            "centroids_sent": self.centroids_sent,
+            "encoder_bytes": self.payload_bytes,
+            **self.encoder_info,
+            **agreement(found.labels, truth),
+        }
+        np.savez(
+            self.ctx.run_dir / f"fcr{tag}.npz",
+            clients=clients,
+            adjacency=found.distance,
+            graph=found.graph,
+            labels=found.labels,
+            truth=truth,
+            old_labels=old[clients],
+            linkage=found.linkage,
+            order=order,
+            points=np.concatenate(points),
+            owner=np.repeat(clients, [len(p) for p in points]),
+            centroids=np.concatenate([self.centroids[c] for c in clients]),
+        )
+        plot_fcr(
+            self.ctx.run_dir,
+            found.distance,
+            found.graph,
+            found.linkage,
+            order,
+            _scatter_points(points),
+            found.labels,
+            truth,
+            tag,
+        )
         return report
 
     def _carry_models(self, labels: np.ndarray, graph: np.ndarray, n_clusters: int) -> None:
@@ -277,8 +400,7 @@ class FLT(Strategy):
         if not len(known):
             return self.models.mean(0)
         n = torch.as_tensor(self.ctx.n_train[known], dtype=self.models.dtype, device=self.models.device)
-        return weighted_average(self.models[self.labels[known] if self.params["aggregation"] == "case2"
-                                            else known], n)
+        return weighted_average(self.models[self.labels[known] if self.params["aggregation"] == "case2" else known], n)
 
     # -- a changing population (dynamic FLT) --------------------------------------------
     def on_arrival(self, rnd: int, clients: np.ndarray, fed) -> dict:
@@ -295,14 +417,19 @@ class FLT(Strategy):
         else:
             ex = self.embed(fed, clients, rnd, purpose="arrival")
             report = self._place_nearest(clients)
-        return {"placement": self.params["newcomers"], "seconds": time.perf_counter() - tic,
-                "fcr_bytes": ex.bytes, **report}
+        return {
+            "placement": self.params["newcomers"],
+            "seconds": time.perf_counter() - tic,
+            "fcr_bytes": ex.bytes,
+            **report,
+        }
 
     def _place_nearest(self, clients) -> dict:
         """Put each client (with centroids) in the cluster whose mean embedding is nearest."""
         placed = np.array([c for c in np.asarray(clients).tolist() if c in self.centroids], dtype=np.int64)
-        known = np.array([c for c in np.flatnonzero(self.labels >= 0) if c in self.centroids and c not in placed],
-                         dtype=np.int64)
+        known = np.array(
+            [c for c in np.flatnonzero(self.labels >= 0) if c in self.centroids and c not in placed], dtype=np.int64
+        )
         if not len(placed) or not len(known):
             return {"assigned": []}
         means = np.stack([self.centroids[c].mean(0) for c in known])
@@ -347,10 +474,17 @@ class FLT(Strategy):
         report = self.relate(fed.present, tag=f"-round{rnd}")
         report.update(round=rnd, cause=cause, clients_embedded=who.tolist(), **_cost(ex))
         self.fcr_reports.append(report)
-        event = {"kind": "recluster", "round": rnd, "cause": cause, "clients": who.tolist(),
-                 "seconds": time.perf_counter() - tic, "fcr_bytes": ex.bytes,
-                 "old_labels": old.tolist(), "new_labels": self.labels.tolist(),
-                 **{k: report[k] for k in ("clusters", "cluster_sizes", "ari", "nmi") if k in report}}
+        event = {
+            "kind": "recluster",
+            "round": rnd,
+            "cause": cause,
+            "clients": who.tolist(),
+            "seconds": time.perf_counter() - tic,
+            "fcr_bytes": ex.bytes,
+            "old_labels": old.tolist(),
+            "new_labels": self.labels.tolist(),
+            **{k: report[k] for k in ("clusters", "cluster_sizes", "ari", "nmi") if k in report},
+        }
         return [event]
 
     # -- training -----------------------------------------------------------------------
@@ -412,7 +546,7 @@ class FLT(Strategy):
     def _aggregate_graph(self, results):
         """W^{t+1} = W_bar A~ diag(.) as one matrix product over the selected clients."""
         sel = sorted(results)
-        models, n = stack(results, sel)                               # [s, P], [s]
+        models, n = stack(results, sel)  # [s, P], [s]
         graph = torch.as_tensor(self.graph[sel], device=models.device)  # [s, M]
         weights = graph * (n / n.sum())[:, None]
         mass = weights.sum(0)
@@ -433,8 +567,12 @@ class FLT(Strategy):
 
     def summary(self) -> dict:
         recl = [{k: v for k, v in r.items() if k != "pipeline"} for r in self.fcr_reports[1:]]
-        out = {"fcr": self.fcr_reports[0] if self.fcr_reports else {}, "fcr_reports": self.fcr_reports,
-               "found_clusters": self.labels.tolist(), "reclusterings": recl}
+        out = {
+            "fcr": self.fcr_reports[0] if self.fcr_reports else {},
+            "fcr_reports": self.fcr_reports,
+            "found_clusters": self.labels.tolist(),
+            "reclusterings": recl,
+        }
         if self.fcr_reports and "emulated_s" in self.fcr_reports[0]:  # with device profiles
             out["fcr_emulated_s"] = self.fcr_reports[0]["emulated_s"]
             out["recluster_emulated_s"] = sum(r.get("emulated_s", 0.0) for r in recl)
@@ -443,9 +581,12 @@ class FLT(Strategy):
     def expected_bytes(self, selections, model_bytes):
         # M*W_enc counts one encoder per client; re-clustering sends it again to re-embedders
         latent = self.fcr_reports[0]["latent"] if self.fcr_reports else 0
-        return {"formula": "M*W_enc + k*M*e + 2*rho*M*W_local*T",
-                "bytes": self.encoders_sent * self.payload_bytes + self.centroids_sent * latent * 4
-                + 2 * selections * model_bytes}
+        return {
+            "formula": "M*W_enc + k*M*e + 2*rho*M*W_local*T",
+            "bytes": self.encoders_sent * self.payload_bytes
+            + self.centroids_sent * latent * 4
+            + 2 * selections * model_bytes,
+        }
 
 
 def _cost(ex: Exchange) -> dict:

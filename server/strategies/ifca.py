@@ -28,6 +28,7 @@ Optional weight sharing of the paper (shared lower layers) is not implemented.
 Traffic: C models down and one up per selection after warm-up, rho*M*W*T*(C+1);
 2 W per selection during warm-up.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,10 +48,12 @@ class IFCA(Strategy):
     PARAMS = {
         "clusters": Field(int, 5, "C, the number of cluster models", min=1),
         "warmup_rounds": Field(int, 0, "FedAvg rounds (one model) before the C models are spawned", min=0),
-        "reinit_empty": Field(bool, True, "re-draw a cluster no client belongs to from a perturbed "
-                              "copy of the largest cluster's model"),
-        "init_scale": Field(float, 0.01, "std of the Gaussian perturbation that makes the C initial "
-                            "(and re-drawn) models differ", min=0),
+        "reinit_empty": Field(
+            bool, True, "re-draw a cluster no client belongs to from a perturbed copy of the largest cluster's model"
+        ),
+        "init_scale": Field(
+            float, 0.01, "std of the Gaussian perturbation that makes the C initial (and re-drawn) models differ", min=0
+        ),
     }
 
     def __init__(self, ctx, **params):
@@ -59,8 +62,8 @@ class IFCA(Strategy):
         self.warmup = int(self.params["warmup_rounds"])
         self.scale = float(self.params["init_scale"])
         self.gen = torch.Generator().manual_seed(int(ctx.seed))
-        self.global_model = self.on(ctx.init.clone())       # used during warm-up
-        self.models: torch.Tensor | None = None              # [C, P] once clustering starts
+        self.global_model = self.on(ctx.init.clone())  # used during warm-up
+        self.models: torch.Tensor | None = None  # [C, P] once clustering starts
         self.choice = np.full(ctx.n_clients, -1, dtype=np.int64)  # latest cluster per client
         self.sel_warmup = 0
         self.sel_cluster = 0
@@ -106,13 +109,17 @@ class IFCA(Strategy):
         choice = np.array([int(results[c].meta.get("choice", 0)) for c in clients], dtype=np.int64)
         bad = (choice < 0) | (choice >= self.c)
         if bad.any():
-            log.error("ifca: round %d: ignored %d results with a cluster choice outside 0..%d",
-                      rnd, int(bad.sum()), self.c - 1)
+            log.error(
+                "ifca: round %d: ignored %d results with a cluster choice outside 0..%d",
+                rnd,
+                int(bad.sum()),
+                self.c - 1,
+            )
             clients = [c for c, b in zip(clients, bad, strict=True) if not b]
             choice = choice[~bad]
             if not clients:
                 return
-        models, n = stack(results, clients)                                   # [s, P], [s]
+        models, n = stack(results, clients)  # [s, P], [s]
         # per-cluster FedAvg; a cluster nobody chose keeps its model
         self.models = cluster_average(models, n, one_hot(choice, self.c, models), keep=self.models)
         self.choice[clients] = choice
@@ -145,11 +152,18 @@ class IFCA(Strategy):
     def summary(self) -> dict:
         truth = self.ctx.truth.copy()
         truth[self.choice < 0] = -1  # score only clients that have chosen
-        return {"found_clusters": self.choice.tolist(), "cluster_sizes": self.sizes().tolist(),
-                "reinits": self.reinits, **agreement(self.choice, truth)}
+        return {
+            "found_clusters": self.choice.tolist(),
+            "cluster_sizes": self.sizes().tolist(),
+            "reinits": self.reinits,
+            **agreement(self.choice, truth),
+        }
 
     def expected_bytes(self, selections: int, model_bytes: int) -> dict:
         # rho*M*T*(C+1) W after warm-up (C down, 1 up); 2 W per selection during warm-up
-        return {"formula": "rho*M*W_local*T*(C+1) (+ 2*W_local per warm-up selection)",
-                "bytes": (self.sel_cluster * (self.c + 1) + 2 * self.sel_warmup) * model_bytes,
-                "warmup_selections": self.sel_warmup, "cluster_selections": self.sel_cluster}
+        return {
+            "formula": "rho*M*W_local*T*(C+1) (+ 2*W_local per warm-up selection)",
+            "bytes": (self.sel_cluster * (self.c + 1) + 2 * self.sel_warmup) * model_bytes,
+            "warmup_selections": self.sel_warmup,
+            "cluster_selections": self.sel_cluster,
+        }

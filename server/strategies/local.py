@@ -10,6 +10,7 @@ every round the client is selected (the same participation draws as every other 
 and replies without a model tensor. Later Tasks carry no model at all. Evaluation is
 device-resident as well (`eval_models` returns models None).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,7 +25,7 @@ class Local(Strategy):
 
     def __init__(self, ctx, **params):
         super().__init__(ctx, **validate(params, self.PARAMS, self.name))
-        self.init_host = ctx.init.detach().cpu()[None]   # [1, P], one buffer for every first Task
+        self.init_host = ctx.init.detach().cpu()[None]  # [1, P], one buffer for every first Task
         self.initialised = np.zeros(ctx.n_clients, dtype=bool)  # the device holds w^0 for m
         self.trained = np.zeros(ctx.n_clients, dtype=np.int64)  # rounds each client trained
 
@@ -45,10 +46,8 @@ class Local(Strategy):
         return None, np.zeros(len(clients), dtype=np.int64)
 
     def summary(self) -> dict:
-        return {"clients_initialised": int(self.initialised.sum()),
-                "rounds_trained_per_client": self.trained.tolist()}
+        return {"clients_initialised": int(self.initialised.sum()), "rounds_trained_per_client": self.trained.tolist()}
 
     def expected_bytes(self, selections: int, model_bytes: int) -> dict:
         # M * W_local at most: w^0 once per client that was ever selected, nothing up
-        return {"formula": "M*W_local (w0 once per client)",
-                "bytes": int(self.initialised.sum()) * model_bytes}
+        return {"formula": "M*W_local (w0 once per client)", "bytes": int(self.initialised.sum()) * model_bytes}

@@ -18,6 +18,7 @@ with `gamma: null` (the default) gamma is the `gamma_quantile` quantile of the o
 entries of A: each client is linked to about that fraction of the others, its nearest
 ones (0.2 = 1/C for the paper's C = 5 balanced clusters). A number for gamma is used as is.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -41,10 +42,12 @@ def pca_basis(images: np.ndarray, components: int, seed: int) -> tuple[np.ndarra
     rows), mean float32 [d], and a report. e = min(components, N, d)."""
     x = images.reshape(len(images), -1).astype(np.float32) / 255.0
     e = max(1, min(int(components), x.shape[0], x.shape[1]))
-    pca = PCA(n_components=e, svd_solver="full" if e == min(x.shape) else "auto",
-              random_state=seed).fit(x)
-    info = {"pca_components": e, "pca_explained_variance": float(pca.explained_variance_ratio_.sum()),
-            "pca_requested": int(components)}
+    pca = PCA(n_components=e, svd_solver="full" if e == min(x.shape) else "auto", random_state=seed).fit(x)
+    info = {
+        "pca_components": e,
+        "pca_explained_variance": float(pca.explained_variance_ratio_.sum()),
+        "pca_requested": int(components),
+    }
     return pca.components_.astype(np.float32), pca.mean_.astype(np.float32), info
 
 
@@ -53,14 +56,27 @@ class PCAKMHC(FLT):
     PARAMS = {
         **{k: v for k, v in FLT.PARAMS.items() if k not in ("umap", "space")},
         "encoder": section(LINEAR, "where the PCA basis is fitted (the same public images as FLT's encoder)"),
-        "components": Field(int, 128, "e, the number of principal components (capped by the public "
-                            "set size and the pixel count)", min=1),
-        "gamma": Field(float, None, "threshold A~ = [A <= gamma] in PCA space; null: none for the "
-                       "'set' pipeline, the gamma_quantile quantile of A for one that needs it",
-                       min=0, open_min=True, nullable=True),
-        "gamma_quantile": Field(float, 0.2, "quantile of A used as gamma when gamma is null "
-                                "(about the fraction of clients each client links to; 1/C for C "
-                                "balanced clusters)", min=0, max=1),
+        "components": Field(
+            int, 128, "e, the number of principal components (capped by the public set size and the pixel count)", min=1
+        ),
+        "gamma": Field(
+            float,
+            None,
+            "threshold A~ = [A <= gamma] in PCA space; null: none for the "
+            "'set' pipeline, the gamma_quantile quantile of A for one that needs it",
+            min=0,
+            open_min=True,
+            nullable=True,
+        ),
+        "gamma_quantile": Field(
+            float,
+            0.2,
+            "quantile of A used as gamma when gamma is null "
+            "(about the fraction of clients each client links to; 1/C for C "
+            "balanced clusters)",
+            min=0,
+            max=1,
+        ),
     }
 
     def __init__(self, ctx, **params):
@@ -70,8 +86,12 @@ class PCAKMHC(FLT):
     def encoder_payload(self) -> tuple[dict, dict, dict]:
         images = enc.public_images(self.params["encoder"], self.ctx.scenario, self.ctx.public)
         components, mean, info = pca_basis(images, self.params["components"], self.ctx.seed)
-        meta = {"format": "linear", "k": self.params["k"], "latent": int(components.shape[0]),
-                "in_shape": list(images.shape[1:])}
+        meta = {
+            "format": "linear",
+            "k": self.params["k"],
+            "latent": int(components.shape[0]),
+            "in_shape": list(images.shape[1:]),
+        }
         return {"components": components, "mean": mean}, meta, info | {"public_images": int(len(images))}
 
     @classmethod
