@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_resume import results_without_timing  # tests/ is on sys.path under pytest
@@ -130,3 +131,23 @@ def test_one_two_or_three_device_processes_give_identical_results(tmp_path):
         lines = (out / "fedavg" / "metrics.jsonl").read_text().splitlines()
         assert all('"timing": {' in line for line in lines)  # wall-clock figures are named as such
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_a_clients_fine_tuned_embedding_does_not_depend_on_its_device_mates():
+    from devices.embedding import embed_finetuned
+    from models.autoencoder import ConvAE
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a device process (see the trainer fixture)
+    try:
+        torch.manual_seed(0)
+        weights = flatten(ConvAE((1, 28, 28), 16)).numpy()
+        meta = {"in_shape": [1, 28, 28], "latent": 16, "finetune": {"epochs": 1, "batch_size": 10, "lr": 1e-3}}
+        xs, _ = cohort(list(range(len(SIZES))))
+        gens = lambda: [client_generator(9, c) for c in range(len(SIZES))]  # noqa: E731
+        whole = embed_finetuned(weights, meta, xs, gens())
+        alone = embed_finetuned(weights, meta, xs[3:4], gens()[3:4])  # as on a device of its own
+    finally:
+        torch.set_num_threads(threads)
+    assert [e.shape for e in whole] == [(n, 16) for n in SIZES]
+    np.testing.assert_array_equal(whole[3], alone[0])  # bit for bit
