@@ -142,6 +142,9 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_rounds_done(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # a shell without job control starts background jobs with SIGINT ignored (POSIX), and
+        # the child would inherit that: give it the default a terminal's Ctrl-C meets
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     metrics = tmp_path / "fedavg" / "metrics.jsonl"
     deadline = time.monotonic() + 300
