@@ -30,10 +30,10 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from machine import machine_info  # noqa: E402
 
-from devices.device import client_generator  # noqa: E402
-from devices.trainer import CohortTrainer, TrainConfig  # noqa: E402
-from models.flat import flatten, param_spec  # noqa: E402
-from models.nets import build_model  # noqa: E402
+from flt.devices.device import client_generator  # noqa: E402
+from flt.devices.trainer import CohortTrainer, TrainConfig  # noqa: E402
+from flt.models.flat import flatten, param_spec  # noqa: E402
+from flt.models.nets import build_model  # noqa: E402
 
 SHAPES = {"mlp": ((1, 28, 28), 10), "leaf_cnn": ((1, 28, 28), 62), "cifar_cnn": ((3, 32, 32), 10)}
 

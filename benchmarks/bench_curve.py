@@ -41,8 +41,8 @@ SETTINGS = ("none", "curve")
 
 
 def one_run(args, data_root: Path, work: Path, security: str, repeat: int) -> dict:
-    from emulator import config
-    from emulator.run import run_scenario
+    from flt.emulator import config
+    from flt.emulator.run import run_scenario
 
     overrides = [
         f"train.rounds={args.rounds}",

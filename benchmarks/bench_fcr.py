@@ -101,7 +101,7 @@ def main(argv=None) -> int:
 
     from sklearn.metrics import adjusted_rand_score
 
-    from server.fcr import PRESETS, min_distance_adjacency, relate, umap_project
+    from flt.server.fcr import PRESETS, min_distance_adjacency, relate, umap_project
 
     info = machine_info()
     print(

@@ -182,7 +182,7 @@ SUITE = [
 
 # -- the server-side variants compared on the same centroids -----------------------------
 def variants():
-    from server import fcr
+    from flt.server import fcr
 
     R = fcr.Relatedness
     return {
@@ -213,8 +213,8 @@ def scenario(case: Case, seed: int) -> dict:
 
 
 def centroids_for(case: Case, seed: int, fresh: bool = False) -> dict:
-    from emulator.config import resolve
-    from emulator.relate import relate_scenario
+    from flt.emulator.config import resolve
+    from flt.emulator.relate import relate_scenario
 
     raw = scenario(case, seed)
     key = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
@@ -270,7 +270,7 @@ def knn_accuracy(sets: list[np.ndarray], truth: np.ndarray, k: int = 5) -> float
 
 
 def evaluate(sets, truth, how, seed: int, umap_points) -> dict:
-    from server import fcr
+    from flt.server import fcr
 
     tic = time.perf_counter()
     points = umap_points if how.space == "umap" else sets
@@ -296,7 +296,7 @@ def main() -> None:
     args = ap.parse_args()
     if not DATA.is_dir():
         sys.exit(f"the real data folder {DATA} is missing (see ../shared/data/README.md)")
-    from server import fcr
+    from flt.server import fcr
 
     rows = []
     for case in [c for c in SUITE if args.only in c.name]:

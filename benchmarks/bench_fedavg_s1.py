@@ -78,7 +78,7 @@ def fmt(x, unit="s", width=9) -> str:
 
 
 def resolve_data_root(arg: str | None) -> Path:
-    from scenarios.datasets import load_dataset
+    from flt.scenarios.datasets import load_dataset
 
     root = Path(arg).expanduser() if arg else REPO.parent / "shared" / "data"
     root = root.resolve()
@@ -96,8 +96,8 @@ def resolve_data_root(arg: str | None) -> Path:
 # ----------------------------------------------------------------------------- (a) emulator
 def run_emulator(args, data_root: Path, work: Path, label: str, eval_every: int, extra: list[str] = ()) -> dict:
     """One emulator run of fedavg; returns its per-round timings."""
-    from emulator import config
-    from emulator.run import run_scenario
+    from flt.emulator import config
+    from flt.emulator.run import run_scenario
 
     overrides = [
         f"train.rounds={args.rounds}",
@@ -159,10 +159,10 @@ def run_emulator(args, data_root: Path, work: Path, label: str, eval_every: int,
 def load_shards(args, data_root: Path, run_dir: Path | None):
     """Train/test tensors per client, the seeded initial weights and the model spec, from the
     emulator run's partition.npz (or a freshly built one when the emulator was skipped)."""
-    from emulator import config
-    from emulator.run import build_partition, hold_out_public, initial_weights
-    from scenarios.datasets import load_dataset
-    from scenarios.partition import Partition
+    from flt.emulator import config
+    from flt.emulator.run import build_partition, hold_out_public, initial_weights
+    from flt.scenarios.datasets import load_dataset
+    from flt.scenarios.partition import Partition
 
     cfg = config.load(args.scenario, [f"data.root={data_root}", f"seed={args.seed}"], methods=["fedavg"])
     train = load_dataset("mnist", data_root, train=True)
@@ -183,8 +183,8 @@ def load_shards(args, data_root: Path, run_dir: Path | None):
 
 
 def run_reference(cfg: dict, shards, init: torch.Tensor, spec: dict, rounds: int, threads: int, seed: int) -> dict:
-    from emulator.population import Population
-    from models.nets import build_model
+    from flt.emulator.population import Population
+    from flt.models.nets import build_model
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -243,9 +243,9 @@ def mean_client_accuracy(model: torch.nn.Module, shards) -> float:
 
 # ----------------------------------------------------------------------------- (c) trainer
 def run_trainer(shards, spec: dict, args, threads: int) -> dict:
-    from devices.trainer import CohortTrainer, TrainConfig
-    from models.flat import flatten, param_spec
-    from models.nets import build_model
+    from flt.devices.trainer import CohortTrainer, TrainConfig
+    from flt.models.flat import flatten, param_spec
+    from flt.models.nets import build_model
 
     torch.set_num_threads(threads)
     torch.manual_seed(args.seed)

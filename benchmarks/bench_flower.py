@@ -86,9 +86,9 @@ def part_loop(args, data_root: Path, work: Path) -> dict:
 def part_flower(args, data_root: Path, work: Path) -> dict:
     from flower_app import run_flower
 
-    from emulator import config
-    from emulator.run import initial_weights
-    from scenarios.datasets import load_dataset
+    from flt.emulator import config
+    from flt.emulator.run import initial_weights
+    from flt.scenarios.datasets import load_dataset
 
     run_dir = work / "emulator"
     if not (run_dir / "partition.npz").is_file():
@@ -110,7 +110,7 @@ def part_flower(args, data_root: Path, work: Path) -> dict:
 
 def flower_final_accuracy(args, data_root: Path, work: Path) -> float | None:
     """Mean per-client test accuracy of Flower's final model, computed here (untimed)."""
-    from models.nets import build_model
+    from flt.models.nets import build_model
 
     path = work / "flower_final.npz"
     if not path.is_file():

@@ -34,8 +34,8 @@ sys.path.insert(0, str(REPO))
 
 def one_run(mode: str, out: Path, rounds: int) -> dict:
     """Child process: one run in-process (the server), fuzzed or not; its figures."""
-    from emulator import config
-    from emulator.run import run_scenario
+    from flt.emulator import config
+    from flt.emulator.run import run_scenario
 
     logging.basicConfig(level=logging.ERROR)
     with socket.socket() as s:

@@ -76,7 +76,7 @@ def run_one(args, m: int, out: Path) -> dict:
     cmd = [
         sys.executable,
         "-m",
-        "emulator.cli",
+        "flt.emulator.cli",
         "compare",
         args.scenario,
         "--out",

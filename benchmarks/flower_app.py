@@ -25,7 +25,7 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.simulation import run_simulation
 from torch.nn.utils import vector_to_parameters
 
-from models.nets import build_model
+from flt.models.nets import build_model
 
 # per actor process: (config key) -> (shards, model spec), loaded on the first train call
 _SHARD_CACHE: dict[tuple, tuple[list, dict]] = {}

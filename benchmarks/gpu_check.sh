@@ -27,7 +27,7 @@ stage() {  # stage SECONDS NAME COMMAND...: run with a limit, log, never stop th
     --samples 250 140 500 --loop-clients 40 --out "$OUT"
   stage 240 "scale benchmark, M = 2400, T = 100" $py benchmarks/bench_scale.py --clients 2400 --rounds 100 \
     --accelerator cuda --processes 4 --methods fedavg flt fedsem --out "$OUT" --work /tmp/flt-scale
-  stage "${CIFAR_LIMIT:-110}" "S1 CIFAR-10" $py -m emulator.cli compare scenarios/s1_cifar10.yaml \
+  stage "${CIFAR_LIMIT:-110}" "S1 CIFAR-10" $py -m flt.emulator.cli compare scenarios/s1_cifar10.yaml \
     --methods fedavg,flt_enc1,fedsem --set devices.processes=4 --set devices.accelerator=cuda \
     --out /tmp/flt-s1-cifar10
   tar czf "$OUT/s1_cifar10.tgz" -C /tmp --exclude='*.npz' --exclude='checkpoint*' flt-s1-cifar10 2>/dev/null

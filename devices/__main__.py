@@ -1,5 +1,5 @@
 import sys
 
-from devices.device import main
+from flt.devices.device import main
 
 sys.exit(main())

@@ -26,13 +26,13 @@ import numpy as np
 import torch
 import zmq
 
-from devices import ops
-from devices.trainer import CohortTrainer
-from models.flat import param_spec
-from models.keys import Credentials, HandshakeWatch
-from models.nets import build_model
-from models.wire import Message, ProtocolError, decode, encode
-from scenarios.datasets import load_shared
+from flt.devices import ops
+from flt.devices.trainer import CohortTrainer
+from flt.models.flat import param_spec
+from flt.models.keys import Credentials, HandshakeWatch
+from flt.models.nets import build_model
+from flt.models.wire import Message, ProtocolError, decode, encode
+from flt.scenarios.datasets import load_shared
 
 log = logging.getLogger("flt.device")
 

@@ -16,9 +16,9 @@ from sklearn.cluster import KMeans
 from sklearn.metrics import silhouette_score
 from torch.func import functional_call, vmap
 
-from devices.trainer import CohortTrainer, TrainConfig, _pad
-from models.autoencoder import ConvAE, onnx_embed, onnx_session
-from models.flat import param_spec
+from flt.devices.trainer import CohortTrainer, TrainConfig, _pad
+from flt.models.autoencoder import ConvAE, onnx_embed, onnx_session
+from flt.models.flat import param_spec
 
 _SESSIONS: dict[int, object] = {}
 

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from devices import embedding
-from devices.trainer import CohortTrainer, TrainConfig
-from models.wire import Message
+from flt.devices import embedding
+from flt.devices.trainer import CohortTrainer, TrainConfig
+from flt.models.wire import Message
 
 if TYPE_CHECKING:
-    from devices.device import Device
+    from flt.devices.device import Device
 
 Op = Callable[["Device", list[Message]], list[Message]]
 OPS: dict[str, Op] = {}
@@ -71,9 +71,9 @@ def lookup(name: str) -> Op:
     UnknownOp (naming the operation and those registered) when there is none."""
     if name not in OPS and _OP_NAME.fullmatch(name):
         try:
-            importlib.import_module(f"devices.methods.{name}")
+            importlib.import_module(f"flt.devices.methods.{name}")
         except ModuleNotFoundError as exc:
-            if exc.name != f"devices.methods.{name}":  # the module exists but its import failed
+            if exc.name != f"flt.devices.methods.{name}":  # the module exists but its import failed
                 raise
     if name not in OPS:
         raise UnknownOp(f"unknown device op {name[:40]!r} (this device has: {', '.join(sorted(OPS))})")
@@ -88,7 +88,7 @@ def trainer(device: Device) -> CohortTrainer:
 
 
 def generators(batch: list[Message]) -> list[torch.Generator]:
-    from devices.device import client_generator  # device.py imports this module
+    from flt.devices.device import client_generator  # device.py imports this module
 
     return [client_generator(m.meta.get("seed", 0), m.client) for m in batch]
 
@@ -206,7 +206,7 @@ def evaluate(device: Device, batch: list[Message], slice_size: int = 256) -> lis
 def embed(device: Device, batch: list[Message]) -> list[Message]:
     """FCR: embed the client's data with the encoder sent (ONNX, a PCA basis, or an
     autoencoder to fine-tune first), then send k seeded k-means centroids."""
-    from devices.device import client_seed
+    from flt.devices.device import client_seed
 
     meta, t = batch[0].meta, batch[0].tensors
     xs = [device.shards[m.client].x for m in batch]

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
-from models.flat import ParamSpec, unflatten
+from flt.models.flat import ParamSpec, unflatten
 
 
 @dataclass(frozen=True)

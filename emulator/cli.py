@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from scenarios.errors import FltError
+from flt.scenarios.errors import FltError
 
 
 def main(argv=None) -> int:
@@ -105,8 +105,8 @@ def main(argv=None) -> int:
 
 
 def _device(args) -> int:
-    from devices.device import Device
-    from models.keys import Credentials
+    from flt.devices.device import Device
+    from flt.models.keys import Credentials
 
     creds: list = []
     code = guarded(lambda: creds.append(Credentials.load(args.key, args.server_key)))
@@ -117,7 +117,7 @@ def _keys(args) -> None:
     """Make the key files; print where they are, never a secret key."""
     from pathlib import Path
 
-    from models.keys import make_keys
+    from flt.models.keys import make_keys
 
     folder = Path(args.dir)
     names = make_keys(folder, args.devices, args.prefix)
@@ -133,7 +133,7 @@ def _keys(args) -> None:
 def _report(args) -> None:
     from pathlib import Path
 
-    from emulator.html_report import build
+    from flt.emulator.html_report import build
 
     dirs = [Path(d) for d in args.run_dirs]
     out = Path(args.out) if args.out else dirs[0] / "report" if len(dirs) == 1 else Path("report")
@@ -145,7 +145,7 @@ def _suite(args) -> int:
     """`flt suite`: the exit code of the first scenario that failed, 130 on Ctrl-C."""
     from pathlib import Path
 
-    from emulator import report, suite
+    from flt.emulator import report, suite
 
     report.COMMAND = args.argv
     codes: list[int] = []
@@ -172,14 +172,14 @@ def _scenario_args(p, optional: bool = False):
 
 
 def _run(args) -> int:
-    from emulator import config, report
-    from emulator.run import run_scenario
-    from server.progress import Display
+    from flt.emulator import config, report
+    from flt.emulator.run import run_scenario
+    from flt.server.progress import Display
 
     report.COMMAND = args.argv
     terminal = Display().install()  # bars for rounds and pretraining on a terminal
     if args.cmd == "relate":
-        from emulator.relate import relate_scenario
+        from flt.emulator.relate import relate_scenario
 
         return guarded(
             lambda: relate_scenario(config.load(args.scenario, args.set), args.out, args.method, umap=not args.no_umap)
@@ -212,10 +212,10 @@ def _resume(args) -> None:
     (a scenario or --set would make it another run)."""
     from pathlib import Path
 
-    from emulator import config
-    from emulator.run import run_scenario
-    from models.schema import ConfigError
-    from server.progress import active
+    from flt.emulator import config
+    from flt.emulator.run import run_scenario
+    from flt.models.schema import ConfigError
+    from flt.server.progress import active
 
     run_dir = Path(args.resume)
     if args.scenario or args.set or args.out:

@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from emulator.profiles import ProfileError, profiles_from_distribution
-from models.schema import ConfigError, Field, MethodSpec, section, validate
-from scenarios.datasets import DATASETS, DataError, dataset_key, load_dataset
-from scenarios.errors import short
-from server.auth import SECURITY, security_problem
-from server.strategies import STRATEGIES
+from flt.emulator.profiles import ProfileError, profiles_from_distribution
+from flt.models.schema import ConfigError, Field, MethodSpec, section, validate
+from flt.scenarios.datasets import DATASETS, DataError, dataset_key, load_dataset
+from flt.scenarios.errors import short
+from flt.server.auth import SECURITY, security_problem
+from flt.server.strategies import STRATEGIES
 
 DATA = {
     "dataset": Field(
@@ -288,7 +288,7 @@ def _check_launcher(devices: dict) -> None:
     if devices["ray_address"] is not None and devices["launcher"] != "ray":
         raise ConfigError("devices.ray_address: only used with devices.launcher: ray")
     if devices["launcher"] == "ray":
-        from emulator.ray_launcher import import_ray
+        from flt.emulator.ray_launcher import import_ray
 
         import_ray()  # not installed: stop here, naming the field and the install command
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from emulator.clock import EmulatedClock, close_round, overcommit_count, task_seconds
-from emulator.profiles import Profiles
-from models.schema import ConfigError
+from flt.emulator.clock import EmulatedClock, close_round, overcommit_count, task_seconds
+from flt.emulator.profiles import Profiles
+from flt.models.schema import ConfigError
 
 
 @dataclass
@@ -220,7 +220,7 @@ class Population:
 def assign_profiles(spec: dict | None, n_clients: int, seed: int) -> Profiles | None:
     """Device profiles for every client: from a trace file (reused cyclically when it has
     fewer clients), a FedScale pair of files, or seeded distributions."""
-    from emulator import profiles as prof
+    from flt.emulator import profiles as prof
 
     if spec is None:
         return None

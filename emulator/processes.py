@@ -9,12 +9,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from scenarios.errors import DeviceError
-from server.transport import Transport
+from flt.scenarios.errors import DeviceError
+from flt.server.transport import Transport
 
 
 class DeviceFleet:
-    """Device processes launched with `python -m devices`, one log file each."""
+    """Device processes launched with `python -m flt.devices`, one log file each."""
 
     def __init__(
         self,
@@ -42,7 +42,7 @@ class DeviceFleet:
         cmd = [
             sys.executable,
             "-m",
-            "devices",
+            "flt.devices",
             "--connect",
             self.endpoint,
             "--name",
@@ -118,7 +118,7 @@ class DeviceFleet:
 def make_fleet(devices: dict, endpoint: str, log_dir: Path, enroll: Callable[[str], dict[str, str]]) -> DeviceFleet:
     """The launcher the scenario's `devices.launcher` names: processes here, or Ray actors."""
     if devices["launcher"] == "ray":
-        from emulator.ray_launcher import RayFleet
+        from flt.emulator.ray_launcher import RayFleet
 
         return RayFleet(endpoint, log_dir, devices["threads"], devices["crash"], enroll, address=devices["ray_address"])
     return DeviceFleet(endpoint, log_dir, devices["threads"], devices["crash"], enroll=enroll)

@@ -25,11 +25,11 @@ from io import StringIO
 from pathlib import Path
 from typing import Any
 
-from emulator.processes import DeviceFleet
-from models.schema import ConfigError
-from scenarios.errors import DeviceError
-from server.auth import is_loopback
-from server.transport import Transport
+from flt.emulator.processes import DeviceFleet
+from flt.models.schema import ConfigError
+from flt.scenarios.errors import DeviceError
+from flt.server.auth import is_loopback
+from flt.server.transport import Transport
 
 INSTALL = "pip install 'flt-emulator[ray]' (or pip install 'ray>=2.9')"
 ANY_HOST = re.compile(r"(tcp://)(0\.0\.0\.0|\*|\[::\]|\[\*\])(:\d+)$")
@@ -55,8 +55,8 @@ class DeviceHost:
 
     def run(self) -> tuple[int, str]:
         """Serve the server until it says shutdown; (exit code, this device's log)."""
-        from devices.device import Device
-        from models.keys import Credentials
+        from flt.devices.device import Device
+        from flt.models.keys import Credentials
 
         log, handler = _capture_log()
         try:

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from emulator import processes, report
-from emulator.run import (
+from flt.emulator import processes, report
+from flt.emulator.run import (
     aggregation_device,
     assign_clients,
     assign_meta,
@@ -29,15 +29,15 @@ from emulator.run import (
     load_data,
     make_run_dir,
 )
-from models.schema import ConfigError
-from server import fcr
-from server.auth import gate_for
-from server.fcr_report import scatter
-from server.federation import Federation
-from server.strategies import STRATEGIES
-from server.strategies.base import Context
-from server.strategies.flt import FLT
-from server.transport import Transport
+from flt.models.schema import ConfigError
+from flt.server import fcr
+from flt.server.auth import gate_for
+from flt.server.fcr_report import scatter
+from flt.server.federation import Federation
+from flt.server.strategies import STRATEGIES
+from flt.server.strategies.base import Context
+from flt.server.strategies.flt import FLT
+from flt.server.transport import Transport
 
 
 def pick_method(cfg: dict, label: str | None) -> dict:
@@ -56,7 +56,7 @@ def pick_method(cfg: dict, label: str | None) -> dict:
 
 
 def _defaults(cls) -> dict:
-    from models.schema import validate
+    from flt.models.schema import validate
 
     return validate({}, cls.PARAMS, cls.name)
 

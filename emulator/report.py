@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from emulator.population import rounds_to_recover
-from server.federation import split_timing
-from server.transport import Transport
+from flt.emulator.population import rounds_to_recover
+from flt.server.federation import split_timing
+from flt.server.transport import Transport
 
 COMMAND: list[str] | None = None  # the flt command's arguments, set by the command line
 

@@ -16,21 +16,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from emulator import processes, report
-from emulator.config import dump, load_encoder_sources
-from emulator.population import Population, assign_profiles, schedule_from
-from models.flat import flatten
-from models.nets import build_model
-from models.wire import Message
-from scenarios import partition as part
-from scenarios.datasets import Dataset, load_shared
-from scenarios.errors import DeviceError
-from server import checkpoint
-from server.auth import gate_for
-from server.federation import CHECKPOINT, Federation, run_method
-from server.strategies import STRATEGIES
-from server.strategies.base import Context
-from server.transport import Transport
+from flt.emulator import processes, report
+from flt.emulator.config import dump, load_encoder_sources
+from flt.emulator.population import Population, assign_profiles, schedule_from
+from flt.models.flat import flatten
+from flt.models.nets import build_model
+from flt.models.wire import Message
+from flt.scenarios import partition as part
+from flt.scenarios.datasets import Dataset, load_shared
+from flt.scenarios.errors import DeviceError
+from flt.server import checkpoint
+from flt.server.auth import gate_for
+from flt.server.federation import CHECKPOINT, Federation, run_method
+from flt.server.strategies import STRATEGIES
+from flt.server.strategies.base import Context
+from flt.server.transport import Transport
 
 
 def make_run_dir(cfg: dict, out: str | None) -> Path:

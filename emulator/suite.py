@@ -17,10 +17,10 @@ from pathlib import Path
 
 import yaml
 
-from emulator import config, report
-from models.schema import ConfigError
-from scenarios.errors import FltError
-from server.progress import Display, duration
+from flt.emulator import config, report
+from flt.models.schema import ConfigError
+from flt.scenarios.errors import FltError
+from flt.server.progress import Display, duration
 
 RUN_FILES = ("config.yaml", "partition.npz", "public_indices.npy")  # what a resume needs
 
@@ -151,7 +151,7 @@ class SuiteDisplay(Display):
 def run_suite(paths: list[Path], overrides: list[str], out: Path, display: Display | None = None) -> int:
     """Run every scenario not yet finished; return 0, or the exit code of the first that
     failed (the others still run)."""
-    from emulator.run import run_scenario
+    from flt.emulator.run import run_scenario
 
     entries = plan(paths, overrides, out)
     states = [state(e) for e in entries]  # every folder checked before anything runs

@@ -55,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scenarios.errors import FltError, short
+from flt.scenarios.errors import FltError, short
 
 __all__ = [
     "DATASETS",

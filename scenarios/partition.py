@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from scenarios.datasets import save_npz_atomic
-from scenarios.errors import FltError
+from flt.scenarios.datasets import save_npz_atomic
+from flt.scenarios.errors import FltError
 
 __all__ = [
     "Partition",

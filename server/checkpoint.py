@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from scenarios.datasets import save_npz_atomic
+from flt.scenarios.datasets import save_npz_atomic
 
-PROJECT_PACKAGES = ("server", "emulator", "devices", "models", "scenarios")
+PROJECT = "flt"  # checkpoints name only classes of this package
 _STATE = "__state__"
 
 
@@ -68,7 +68,7 @@ def pack(value, arrays: dict, where: str):
         return {"$path": str(value)}
     if isinstance(value, torch.device):
         return {"$device": str(value)}
-    if type(value).__module__.split(".")[0] in PROJECT_PACKAGES and hasattr(value, "__dict__"):
+    if type(value).__module__.split(".")[0] == PROJECT and hasattr(value, "__dict__"):
         cls = type(value)
         return {"$object": f"{cls.__module__}:{cls.__qualname__}", "vars": pack(vars(value), arrays, where)}
     raise CheckpointError(
@@ -126,7 +126,7 @@ def unpack(node, arrays: dict, device: torch.device):
 
 def _project_class(name: str) -> type[Any]:
     module, _, qualname = name.partition(":")
-    if module.split(".")[0] not in PROJECT_PACKAGES:
+    if module.split(".")[0] != PROJECT:
         raise CheckpointError(f"checkpoint names class {name!r} outside this project")
     obj: object = importlib.import_module(module)
     for part in qualname.split("."):
@@ -144,7 +144,7 @@ def restore_vars(obj, state: dict) -> None:
         current = getattr(obj, name, None)
         if (
             type(current) is type(value)
-            and type(value).__module__.split(".")[0] in PROJECT_PACKAGES
+            and type(value).__module__.split(".")[0] == PROJECT
             and hasattr(value, "__dict__")
         ):
             restore_vars(current, vars(value))

@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.autoencoder import ConvAE
-from models.schema import ConfigError
-from scenarios.datasets import load_dataset
-from server.progress import active, step
+from flt.models.autoencoder import ConvAE
+from flt.models.schema import ConfigError
+from flt.scenarios.datasets import load_dataset
+from flt.server.progress import active, step
 
 
 def public_images(source: dict, scenario: dict, public_idx: np.ndarray | None) -> np.ndarray:

@@ -13,7 +13,7 @@ from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
-from models.wire import Message
+from flt.models.wire import Message
 
 R = TypeVar("R")
 T = TypeVar("T")

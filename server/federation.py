@@ -30,14 +30,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.wire import Message
-from server import checkpoint
-from server.checkpoint import restore_vars
-from server.exchange import Exchange, ExchangeClock, Work
-from server.progress import step
-from server.replies import Check, ShardSizes, centroids_check, metrics_check, update_check
-from server.strategies.base import Result, Strategy, Task
-from server.transport import Ledger, Transport
+from flt.models.wire import Message
+from flt.server import checkpoint
+from flt.server.checkpoint import restore_vars
+from flt.server.exchange import Exchange, ExchangeClock, Work
+from flt.server.progress import step
+from flt.server.replies import Check, ShardSizes, centroids_check, metrics_check, update_check
+from flt.server.strategies.base import Result, Strategy, Task
+from flt.server.transport import Ledger, Transport
 
 log = logging.getLogger("flt.server")
 

@@ -20,9 +20,9 @@ from collections.abc import Callable
 import numpy as np
 import zmq
 
-from models.wire import MAX_HEADER_BYTES, TRAFFIC_CLASSES, Message, ProtocolError, decode, encode, frame_bytes
-from scenarios.errors import DeviceError, short
-from server.auth import Gate, Refused
+from flt.models.wire import MAX_HEADER_BYTES, TRAFFIC_CLASSES, Message, ProtocolError, decode, encode, frame_bytes
+from flt.scenarios.errors import DeviceError, short
+from flt.server.auth import Gate, Refused
 
 log = logging.getLogger("flt.server")
 

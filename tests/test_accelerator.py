@@ -7,10 +7,10 @@ import pytest
 import torch
 from test_end_to_end import QUICKSTART, flt  # tests/ is on sys.path under pytest
 
-from devices.device import accelerator, client_generator
-from devices.trainer import CohortTrainer, TrainConfig, use_vmap
-from models.flat import flatten, param_spec
-from models.nets import build_model
+from flt.devices.device import accelerator, client_generator
+from flt.devices.trainer import CohortTrainer, TrainConfig, use_vmap
+from flt.models.flat import flatten, param_spec
+from flt.models.nets import build_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
 
@@ -108,8 +108,8 @@ def test_auto_vectorize_takes_the_loop_for_cnns_on_a_cpu_and_vmap_elsewhere():
 
 
 def test_a_scenario_accepts_auto_or_a_bool_for_vectorize_and_names_the_field_otherwise():
-    from emulator import config
-    from models.schema import ConfigError
+    from flt.emulator import config
+    from flt.models.schema import ConfigError
 
     for value in ("auto", "true", "false"):
         assert config.load(QUICKSTART, [f"train.vectorize={value}"])["train"]["vectorize"] in ("auto", True, False)

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from emulator.population import rounds_to_recover
-from server.federation import accuracy_stats
+from flt.emulator.population import rounds_to_recover
+from flt.server.federation import accuracy_stats
 
 
 def test_a_client_with_no_test_sample_is_left_out_not_scored_zero():

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from models import keys
-from models.wire import Message
-from server.auth import Gate, gate_for, is_loopback, security_problem
-from server.transport import Transport
+from flt.models import keys
+from flt.models.wire import Message
+from flt.server.auth import Gate, gate_for, is_loopback, security_problem
+from flt.server.transport import Transport
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
@@ -26,7 +26,7 @@ QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
 
 def flt(*args, timeout=120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "flt.emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -51,7 +51,7 @@ def peer(
     )
     code = textwrap.dedent(f"""
         import time, zmq
-        from models.wire import Message, encode
+        from flt.models.wire import Message, encode
         s = zmq.Context().socket(zmq.DEALER); s.linger = 2000
         {curve}
         mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
@@ -156,7 +156,15 @@ def test_an_allowed_key_names_the_device_and_a_wrong_key_gets_nothing(key_dir, t
     exits with a clear message instead of retrying for ever."""
     server = Transport(gate=Gate.from_dir(key_dir, seats=2))
     keys.write_keypair(tmp_path, "rogue")  # a well-formed key the server never allowed
-    dev = [sys.executable, "-m", "devices", "--connect", server.endpoint, "--server-key", str(key_dir / "server.key")]
+    dev = [
+        sys.executable,
+        "-m",
+        "flt.devices",
+        "--connect",
+        server.endpoint,
+        "--server-key",
+        str(key_dir / "server.key"),
+    ]
     good = subprocess.Popen(
         [*dev, "--key", str(key_dir / "edge-1.key_secret"), "--name", "dev-0"],
         cwd=REPO,
@@ -185,7 +193,7 @@ def test_a_device_with_a_wrong_server_key_gives_up_with_a_hint(key_dir, tmp_path
         [
             sys.executable,
             "-m",
-            "devices",
+            "flt.devices",
             "--connect",
             server.endpoint,
             "--key",
@@ -210,7 +218,7 @@ def test_a_device_with_a_wrong_server_key_gives_up_with_a_hint(key_dir, tmp_path
 def test_a_device_without_keys_at_a_curve_server_says_it_needs_them(key_dir):
     server = Transport(gate=Gate.from_dir(key_dir))
     dev = subprocess.Popen(
-        [sys.executable, "-m", "devices", "--connect", server.endpoint], cwd=REPO, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "flt.devices", "--connect", server.endpoint], cwd=REPO, stderr=subprocess.PIPE, text=True
     )
     try:
         assert dev.wait(timeout=60) == 2 and "pass --key and --server-key" in dev.stderr.read()
@@ -262,7 +270,7 @@ def test_curve_frames_up_to_the_inbound_limit_still_arrive(key_dir):
     limit must not be dropped."""
     import numpy as np
 
-    from models.wire import encode
+    from flt.models.wire import encode
 
     server = Transport(gate=Gate.from_dir(key_dir), max_inbound=2 << 20)
     _, secret = keys.read_key(key_dir / "edge-0.key_secret", secret=True)
@@ -349,7 +357,7 @@ def test_a_run_over_curve_admits_only_allowed_keys_and_matches_the_clean_run(cle
     dev = [
         sys.executable,
         "-m",
-        "emulator.cli",
+        "flt.emulator.cli",
         "device",
         "--connect",
         endpoint,
@@ -364,7 +372,7 @@ def test_a_run_over_curve_admits_only_allowed_keys_and_matches_the_clean_run(cle
         [
             sys.executable,
             "-m",
-            "emulator.cli",
+            "flt.emulator.cli",
             "run",
             str(QUICKSTART),
             *RUN,

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from emulator.clock import (
+from flt.emulator.clock import (
     EmulatedClock,
     close_round,
     compute_seconds,
@@ -12,7 +12,7 @@ from emulator.clock import (
     task_times,
     transfer_seconds,
 )
-from emulator.profiles import Profiles
+from flt.emulator.profiles import Profiles
 
 MB = 1_000_000
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from emulator import config
-from models.schema import ConfigError
+from flt.emulator import config
+from flt.models.schema import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
@@ -18,7 +18,7 @@ QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
 
 def flt(*args, timeout=600):
     return subprocess.run(
-        [sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "flt.emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
 
 

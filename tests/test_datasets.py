@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scenarios import datasets as ds
-from scenarios.datasets import DATASETS, DataError, load_dataset, read_idx
+from flt.scenarios import datasets as ds
+from flt.scenarios.datasets import DATASETS, DataError, load_dataset, read_idx
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -450,8 +450,8 @@ def test_truncated_tarball_and_broken_leaf_json_are_data_errors(tmp_path):
 def test_emnist_balanced_feeds_s4s_structured_sampler(tmp_path):
     """scenarios/s4_emnist.yaml end to end up to the partition, on a small EMNIST-balanced
     written here in its own format (flat folder, gzip'd IDX, transposed images)."""
-    from emulator.config import load
-    from emulator.run import build_partition, hold_out_public, load_data
+    from flt.emulator.config import load
+    from flt.emulator.run import build_partition, hold_out_public, load_data
 
     rng = np.random.default_rng(3)
     for part, per_class in (("train", 60), ("test", 10)):

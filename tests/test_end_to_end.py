@@ -13,7 +13,7 @@ QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
 
 def flt(*args, timeout=600):
     return subprocess.run(
-        [sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "flt.emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -128,7 +128,7 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_rounds_done(tmp_path):
         [
             sys.executable,
             "-m",
-            "emulator.cli",
+            "flt.emulator.cli",
             "run",
             str(QUICKSTART),
             "--set",
@@ -171,7 +171,7 @@ def test_a_device_started_by_hand_joins_over_tcp(tmp_path):
         [
             sys.executable,
             "-m",
-            "emulator.cli",
+            "flt.emulator.cli",
             "run",
             str(QUICKSTART),
             "--set",
@@ -194,7 +194,16 @@ def test_a_device_started_by_hand_joins_over_tcp(tmp_path):
     )
     time.sleep(1.0)
     by_hand = subprocess.Popen(
-        [sys.executable, "-m", "emulator.cli", "device", "--connect", f"tcp://127.0.0.1:{port}", "--name", "edge-1"],
+        [
+            sys.executable,
+            "-m",
+            "flt.emulator.cli",
+            "device",
+            "--connect",
+            f"tcp://127.0.0.1:{port}",
+            "--name",
+            "edge-1",
+        ],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

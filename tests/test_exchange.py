@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from emulator.config import parse_methods
-from emulator.population import Population
-from emulator.profiles import Profiles
-from models.wire import Message
-from server.exchange import Exchange
-from server.federation import _embedded, _trained
-from server.strategies.base import Context
-from server.strategies.flt import FLT
+from flt.emulator.config import parse_methods
+from flt.emulator.population import Population
+from flt.emulator.profiles import Profiles
+from flt.models.wire import Message
+from flt.server.exchange import Exchange
+from flt.server.federation import _embedded, _trained
+from flt.server.strategies.base import Context
+from flt.server.strategies.flt import FLT
 
 REPO = Path(__file__).resolve().parents[1]
 MB = 1_000_000
@@ -71,7 +71,7 @@ def test_embedding_work_counts_forward_passes_and_fine_tuning_batches():
 
 def flt(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=900
+        [sys.executable, "-m", "flt.emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=900
     )
 
 

@@ -8,9 +8,9 @@ import pytest
 from scipy.spatial.distance import cdist
 from sklearn.metrics import adjusted_rand_score
 
-from emulator.config import parse_methods
-from models.schema import ConfigError
-from server import fcr
+from flt.emulator.config import parse_methods
+from flt.models.schema import ConfigError
+from flt.server import fcr
 
 
 def slow_distance(points, kind):

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from models.schema import ConfigError
-from server.strategies import STRATEGIES
-from server.strategies.base import Context, Result, cluster_average, one_hot
-from server.strategies.fedsem import FedSEM
-from server.strategies.fesem_soft import FeSEMSoft
+from flt.models.schema import ConfigError
+from flt.server.strategies import STRATEGIES
+from flt.server.strategies.base import Context, Result, cluster_average, one_hot
+from flt.server.strategies.fedsem import FedSEM
+from flt.server.strategies.fesem_soft import FeSEMSoft
 
 P, M = 12, 20
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +117,7 @@ def test_fesem_soft_learns_on_the_quickstart(tmp_path):
         [
             sys.executable,
             "-m",
-            "emulator.cli",
+            "flt.emulator.cli",
             "run",
             str(ROOT / "scenarios/quickstart.yaml"),
             "--set",

@@ -11,12 +11,12 @@ import pytest
 import torch
 from scipy.spatial.distance import cdist
 
-from emulator.config import parse_methods
-from server import fcr
-from server.exchange import Exchange
-from server.strategies.base import Context, Result, weighted_average
-from server.strategies.fedavg import FedAvg
-from server.strategies.flt import FLT
+from flt.emulator.config import parse_methods
+from flt.server import fcr
+from flt.server.exchange import Exchange
+from flt.server.strategies.base import Context, Result, weighted_average
+from flt.server.strategies.fedavg import FedAvg
+from flt.server.strategies.flt import FLT
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
@@ -25,7 +25,7 @@ CLIENTS = 20
 
 def flt(*args, timeout=600):
     return subprocess.run(
-        [sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "flt.emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
 
 

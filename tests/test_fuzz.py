@@ -39,7 +39,7 @@ def _run(out: Path, port: int) -> subprocess.Popen:
         [
             sys.executable,
             "-m",
-            "emulator.cli",
+            "flt.emulator.cli",
             "run",
             str(REPO / "scenarios" / "quickstart.yaml"),
             "--set",

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from devices.device import Images, _shard
-from emulator.processes import DeviceFleet
-from emulator.run import assign_clients
-from scenarios.datasets import cache_dir, load_dataset, load_shared
-from scenarios.partition import Partition
-from server.transport import Transport
+from flt.devices.device import Images, _shard
+from flt.emulator.processes import DeviceFleet
+from flt.emulator.run import assign_clients
+from flt.scenarios.datasets import cache_dir, load_dataset, load_shared
+from flt.scenarios.partition import Partition
+from flt.server.transport import Transport
 
 
 def _mapped_files(pid: int) -> set[str]:
@@ -93,12 +93,12 @@ def test_two_device_processes_map_the_same_cache_file(tmp_path):
 
 
 def test_evaluating_in_slices_of_clients_gives_each_client_the_same_figures():
-    from devices import ops
-    from devices.device import Device
-    from devices.trainer import CohortTrainer
-    from models.flat import flatten, param_spec
-    from models.nets import build_model
-    from models.wire import Message
+    from flt.devices import ops
+    from flt.devices.device import Device
+    from flt.devices.trainer import CohortTrainer
+    from flt.models.flat import flatten, param_spec
+    from flt.models.nets import build_model
+    from flt.models.wire import Message
 
     ds = load_shared("digits", None, train=False)
     split = (Images(ds.x, torch.device("cpu")), torch.from_numpy(np.array(ds.y)))

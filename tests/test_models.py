@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.autoencoder import ConvAE, export_encoder_onnx, onnx_embed, onnx_session
-from models.flat import flatten, load_flat, model_bytes, param_spec, unflatten
-from models.nets import MODEL_NAMES, build_model
+from flt.models.autoencoder import ConvAE, export_encoder_onnx, onnx_embed, onnx_session
+from flt.models.flat import flatten, load_flat, model_bytes, param_spec, unflatten
+from flt.models.nets import MODEL_NAMES, build_model
 
 MNIST_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"
 

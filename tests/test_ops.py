@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from devices import ops
-from devices.device import Device
-from devices.trainer import CohortTrainer
-from models.flat import flatten, param_spec
-from models.nets import build_model
-from models.wire import Message, ProtocolError, decode, encode
-from server.federation import Federation
-from server.strategies import STRATEGIES
-from server.transport import Transport
+from flt.devices import ops
+from flt.devices.device import Device
+from flt.devices.trainer import CohortTrainer
+from flt.models.flat import flatten, param_spec
+from flt.models.nets import build_model
+from flt.models.wire import Message, ProtocolError, decode, encode
+from flt.server.federation import Federation
+from flt.server.strategies import STRATEGIES
+from flt.server.transport import Transport
 
 
 def test_every_strategy_names_device_ops_that_exist():
@@ -28,7 +28,7 @@ def test_every_strategy_names_device_ops_that_exist():
 
 
 def test_an_op_of_a_method_is_imported_by_its_name_and_unknown_ones_are_named():
-    from devices.methods.choose import choose
+    from flt.devices.methods.choose import choose
 
     assert ops.lookup("choose") is choose  # devices/methods/choose.py registered it
     for bad in ("nosuch", "../etc", "Choose"):

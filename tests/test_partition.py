@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scenarios.partition import (
+from flt.scenarios.partition import (
     Partition,
     PartitionError,
     _fair_shares,
@@ -123,7 +123,7 @@ def test_mnist_s1_class5_short():
     mnist = SHARED / "mnist"
     if not mnist.exists():
         pytest.skip(f"real MNIST not available offline here: {mnist} is missing")
-    from scenarios.datasets import load_dataset
+    from flt.scenarios.datasets import load_dataset
 
     tr, te = load_dataset("mnist", mnist, train=True), load_dataset("mnist", mnist, train=False)
     kw = dict(

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from emulator.config import parse_methods
-from emulator.population import Population, Schedule, schedule_from
-from emulator.profiles import Profiles
-from server.exchange import Exchange
-from server.strategies.base import Context, Result
-from server.strategies.flt import FLT
-from server.transport import Ledger
+from flt.emulator.config import parse_methods
+from flt.emulator.population import Population, Schedule, schedule_from
+from flt.emulator.profiles import Profiles
+from flt.server.exchange import Exchange
+from flt.server.strategies.base import Context, Result
+from flt.server.strategies.flt import FLT
+from flt.server.transport import Ledger
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -153,7 +153,7 @@ def dynamic_run(tmp_path_factory):
         [
             sys.executable,
             "-m",
-            "emulator.cli",
+            "flt.emulator.cli",
             "run",
             "scenarios/dynamic_digits.yaml",
             "--out",
@@ -204,8 +204,8 @@ def test_drift_raises_flags_and_triggers_reclustering(dynamic_run):
 
 
 def test_label_swap_drift_trades_two_labels_on_the_device_and_raises_the_flag():
-    from devices.device import Device, Images, _shard
-    from models.wire import Message
+    from flt.devices.device import Device, Images, _shard
+    from flt.models.wire import Message
 
     dev = Device("tcp://127.0.0.1:9", name="t")  # connect is lazy: no server needed here
     y = torch.tensor([0, 1, 2, 1, 0])
@@ -265,7 +265,7 @@ def test_realtime_mode_makes_devices_wait_and_the_deadline_drops_them_for_real(t
         [
             sys.executable,
             "-m",
-            "emulator.cli",
+            "flt.emulator.cli",
             "run",
             "scenarios/quickstart.yaml",
             "--out",

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from emulator.profiles import (
+from flt.emulator.profiles import (
     ProfileError,
     Profiles,
     import_fedscale,

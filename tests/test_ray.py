@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from emulator import config
-from models.keys import make_keys
-from models.schema import ConfigError
+from flt.emulator import config
+from flt.models.keys import make_keys
+from flt.models.schema import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
@@ -118,7 +118,7 @@ def test_a_dead_actor_is_a_lost_device_and_the_actors_die_with_the_server(ray_ad
             [
                 sys.executable,
                 "-m",
-                "emulator.cli",
+                "flt.emulator.cli",
                 "run",
                 str(QUICKSTART),
                 *TINY,

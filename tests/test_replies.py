@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from models.wire import Message
-from server.replies import centroids_check, metrics_check, update_check
+from flt.models.wire import Message
+from flt.server.replies import centroids_check, metrics_check, update_check
 
 SIZES = {3: (50, 20)}.__getitem__  # client 3: 50 training, 20 test samples
 P = 6

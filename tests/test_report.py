@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from emulator import html_report
-from emulator.report import table
-from models.schema import ConfigError
+from flt.emulator import html_report
+from flt.emulator.report import table
+from flt.models.schema import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -251,7 +251,7 @@ def test_page_renders_in_a_headless_browser_with_every_image(tmp_path):
 def test_report_of_a_real_run_through_the_cli(tmp_path):
     """A tiny real run (digits, 3 rounds, a cluster arriving at round 2), then `flt report`."""
     run = tmp_path / "run"
-    flt = [sys.executable, "-m", "emulator.cli"]
+    flt = [sys.executable, "-m", "flt.emulator.cli"]
     res = subprocess.run(
         [
             *flt,

@@ -13,10 +13,10 @@ import pytest
 import torch
 from test_resume import results_without_timing  # tests/ is on sys.path under pytest
 
-from devices.device import client_generator
-from devices.trainer import CohortTrainer, TrainConfig
-from models.flat import flatten, param_spec
-from models.nets import build_model
+from flt.devices.device import client_generator
+from flt.devices.trainer import CohortTrainer, TrainConfig
+from flt.models.flat import flatten, param_spec
+from flt.models.nets import build_model
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = [23, 50, 37, 61, 8]  # clients of unequal size: the cohort pads to the largest
@@ -109,7 +109,7 @@ def test_one_two_or_three_device_processes_give_identical_results(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "emulator.cli",
+                "flt.emulator.cli",
                 "run",
                 "scenarios/quickstart.yaml",
                 "--set",
@@ -134,8 +134,8 @@ def test_one_two_or_three_device_processes_give_identical_results(tmp_path):
 
 
 def test_a_clients_fine_tuned_embedding_does_not_depend_on_its_device_mates():
-    from devices.embedding import embed_finetuned
-    from models.autoencoder import ConvAE
+    from flt.devices.embedding import embed_finetuned
+    from flt.models.autoencoder import ConvAE
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in a device process (see the trainer fixture)

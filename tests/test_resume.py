@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from emulator.clock import EmulatedClock
-from emulator.config import parse_methods
-from emulator.population import Population, Schedule
-from server import checkpoint
-from server.checkpoint import CheckpointError
-from server.federation import split_timing
-from server.strategies import STRATEGIES
-from server.strategies.base import Context
-from server.transport import Ledger
+from flt.emulator.clock import EmulatedClock
+from flt.emulator.config import parse_methods
+from flt.emulator.population import Population, Schedule
+from flt.server import checkpoint
+from flt.server.checkpoint import CheckpointError
+from flt.server.federation import split_timing
+from flt.server.strategies import STRATEGIES
+from flt.server.strategies.base import Context
+from flt.server.transport import Ledger
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -206,7 +206,7 @@ methods:
 
 def flt_cli(*args, timeout=600):
     return subprocess.run(
-        [sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "flt.emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -229,7 +229,7 @@ def results_without_timing(run_dir: Path) -> dict:
 def kill_during(scenario: Path, out: Path, method: str, after_rounds: int, *sets: str) -> None:
     """Start a run and SIGKILL the server once `method` has recorded `after_rounds` rounds."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "emulator.cli", "run", str(scenario), *sets, "--out", str(out)],
+        [sys.executable, "-m", "flt.emulator.cli", "run", str(scenario), *sets, "--out", str(out)],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import yaml
 
-from emulator.config import load, resolve_paths
-from models.nets import build_model
-from models.schema import ConfigError
-from scenarios.partition import Partition
-from server.encoder import fit_shape
+from flt.emulator.config import load, resolve_paths
+from flt.models.nets import build_model
+from flt.models.schema import ConfigError
+from flt.scenarios.partition import Partition
+from flt.server.encoder import fit_shape
 from tests.conftest import REPO, SHARED_DATA, need_shared
 
 SCENARIOS = REPO / "scenarios"
@@ -65,7 +65,7 @@ def test_s4_emnist_when_the_user_has_it():
     cfg = load(SCENARIOS / "s4_emnist.yaml")
     if not Path(cfg["data"]["root"]).exists():
         pytest.skip(f"EMNIST-balanced not found at {cfg['data']['root']} (see the s4_emnist.yaml header)")
-    from emulator.run import build_partition, hold_out_public, load_data
+    from flt.emulator.run import build_partition, hold_out_public, load_data
 
     train, test = load_data(cfg)
     p = build_partition(cfg, train, test, hold_out_public(cfg, len(train.y)))
@@ -86,7 +86,7 @@ def tiny(path: Path, tmp: Path, labels: list[str], **partition) -> dict:
             m["encoder"].update(epochs=1, finetune_epochs=min(1, m["encoder"].get("finetune_epochs", 0)))
     (tmp / "tiny.yaml").write_text(yaml.safe_dump(raw))
     res = subprocess.run(
-        [sys.executable, "-m", "emulator.cli", "run", str(tmp / "tiny.yaml"), "--out", str(tmp / "run")],
+        [sys.executable, "-m", "flt.emulator.cli", "run", str(tmp / "tiny.yaml"), "--out", str(tmp / "run")],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from emulator.population import Population
-from server.exchange import Exchange
-from server.strategies.base import Context, Result
-from server.strategies.cfl import CFL
-from server.strategies.fedprox import FedProx
-from server.strategies.fedsem import FedSEM
-from server.strategies.ifca import IFCA
-from server.strategies.local import Local
-from server.strategies.pca_km_hc import PCAKMHC, gamma_from_quantile, pca_basis
+from flt.emulator.population import Population
+from flt.server.exchange import Exchange
+from flt.server.strategies.base import Context, Result
+from flt.server.strategies.cfl import CFL
+from flt.server.strategies.fedprox import FedProx
+from flt.server.strategies.fedsem import FedSEM
+from flt.server.strategies.ifca import IFCA
+from flt.server.strategies.local import Local
+from flt.server.strategies.pca_km_hc import PCAKMHC, gamma_from_quantile, pca_basis
 
 P = 12
 
@@ -419,7 +419,7 @@ LOOP = {
 
 @pytest.mark.parametrize("name", sorted(LOOP))
 def test_round_loop_and_byte_formula(tmp_path, name):
-    from server.federation import run_method
+    from flt.server.federation import run_method
 
     m, rounds = 20, 12
     truth = np.repeat([0, 1], m // 2)

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from emulator import config, suite
-from models.autoencoder import ConvAE
-from models.schema import ConfigError
-from server.encoder import pretrain
-from server.progress import Display, step
+from flt.emulator import config, suite
+from flt.models.autoencoder import ConvAE
+from flt.models.schema import ConfigError
+from flt.server.encoder import pretrain
+from flt.server.progress import Display, step
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = """name: {name}
@@ -146,7 +146,7 @@ def test_suite_lines_say_which_scenario_and_how_much_is_left(tmp_path):
 # -- the command, end to end ---------------------------------------------------------------
 def flt(*args):
     return subprocess.run(
-        [sys.executable, "-m", "emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "flt.emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=600
     )
 
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from emulator import config
-from emulator.population import schedule_from
-from models.schema import ConfigError
-from scenarios import partition as part
-from scenarios.errors import FltError
-from server.strategies import STRATEGIES
+from flt.emulator import config
+from flt.emulator.population import schedule_from
+from flt.models.schema import ConfigError
+from flt.scenarios import partition as part
+from flt.scenarios.errors import FltError
+from flt.server.strategies import STRATEGIES
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
@@ -28,7 +28,12 @@ SHARED = REPO.parent / "shared" / "data"
 def flt(*args, cwd=REPO, timeout=300):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, "-m", "emulator.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-m", "flt.emulator.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
     )
 
 
@@ -400,9 +405,9 @@ def test_devices_that_never_connect_exit_3_with_one_line(tmp_path):
 
 
 def test_every_user_facing_error_shares_the_base():
-    from emulator.profiles import ProfileError
-    from scenarios.datasets import DataError
-    from scenarios.errors import DeviceError
+    from flt.emulator.profiles import ProfileError
+    from flt.scenarios.datasets import DataError
+    from flt.scenarios.errors import DeviceError
 
     for cls in (ConfigError, DataError, part.PartitionError, ProfileError, DeviceError):
         assert issubclass(cls, FltError)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import zmq
 
-from models.wire import VERSION, Message, ProtocolError, decode, encode, frame_bytes
-from server.transport import Transport
+from flt.models.wire import VERSION, Message, ProtocolError, decode, encode, frame_bytes
+from flt.server.transport import Transport
 
 
 def _header(**over):
@@ -67,7 +67,7 @@ def test_malformed_messages_are_rejected_with_a_reason(frames, what):
 
 
 def test_oversized_message_is_rejected(monkeypatch):
-    import models.wire as wire
+    import flt.models.wire as wire
 
     monkeypatch.setattr(wire, "MAX_MESSAGE_BYTES", 64)
     with pytest.raises(ProtocolError, match="cap"):
@@ -80,7 +80,7 @@ def test_server_socket_survives_garbage_from_a_real_peer():
     server = Transport()
     peer = f"""
 import zmq, json, numpy as np
-from models.wire import Message, encode
+from flt.models.wire import Message, encode
 s = zmq.Context().socket(zmq.DEALER); s.setsockopt(zmq.IDENTITY, b"peer"); s.connect({server.endpoint!r})
 s.send_multipart([b"garbage"])
 s.send_multipart([json.dumps({{"v": 1, "kind": "update", "round": 1, "client": 0,
@@ -275,7 +275,7 @@ def test_gather_rejects_stale_mid_run_hello_and_checked_replies_and_keeps_the_go
 
 
 def test_rejections_are_logged_at_a_bounded_rate(caplog):
-    from server.transport import LOG_FIRST
+    from flt.server.transport import LOG_FIRST
 
     server = Transport()
     try:
@@ -289,7 +289,7 @@ def test_rejections_are_logged_at_a_bounded_rate(caplog):
 
 
 def test_a_device_rejects_a_task_without_an_integer_batch_id():
-    from devices.device import Device
+    from flt.devices.device import Device
 
     dev = Device("tcp://127.0.0.1:9", name="dev-x")  # nothing listens: the socket never sends
     try:

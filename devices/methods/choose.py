@@ -9,8 +9,8 @@ the reply ("result") carries the index in meta "choice" and the K losses as tens
 
 from __future__ import annotations
 
-from devices.ops import candidate_losses, register, start_models
-from models.wire import Message
+from flt.devices.ops import candidate_losses, register, start_models
+from flt.models.wire import Message
 
 
 @register("choose")

@@ -15,11 +15,11 @@ One module per concept:
 * :mod:`~emulator.profiles.units`: the error type, bit-rate units, the scalar check.
 """
 
-from emulator.profiles.distributions import DEFAULT_SPEC, profiles_from_distribution
-from emulator.profiles.fedscale import import_fedscale
-from emulator.profiles.trace import load_trace
-from emulator.profiles.units import KBPS_TO_BYTES, MBPS_TO_BYTES, ProfileError
-from emulator.profiles.windows import Profiles
+from flt.emulator.profiles.distributions import DEFAULT_SPEC, profiles_from_distribution
+from flt.emulator.profiles.fedscale import import_fedscale
+from flt.emulator.profiles.trace import load_trace
+from flt.emulator.profiles.units import KBPS_TO_BYTES, MBPS_TO_BYTES, ProfileError
+from flt.emulator.profiles.windows import Profiles
 
 __all__ = [
     "DEFAULT_SPEC",

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from emulator.profiles.units import ProfileError
-from emulator.profiles.windows import Profiles
+from flt.emulator.profiles.units import ProfileError
+from flt.emulator.profiles.windows import Profiles
 
 
 class _NoGlobalsUnpickler(pickle.Unpickler):

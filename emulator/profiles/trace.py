@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from emulator.profiles.units import KBPS_TO_BYTES, ProfileError, check_number
-from emulator.profiles.windows import Profiles
+from flt.emulator.profiles.units import KBPS_TO_BYTES, ProfileError, check_number
+from flt.emulator.profiles.windows import Profiles
 
 _COLUMNS = ("client", "ms_per_sample", "up_kbps", "down_kbps", "latency_ms", "windows")
 _NUM = r"(?:[+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?|inf)"

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
-from emulator.profiles.units import ProfileError
+from flt.emulator.profiles.units import ProfileError
 
 
 def _normalize_windows(s, e, owner, m, period, had_any):

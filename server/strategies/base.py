@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.schema import Field
-from server.checkpoint import restore_vars
+from flt.models.schema import Field
+from flt.server.checkpoint import restore_vars
 
 
 @dataclass

@@ -45,9 +45,9 @@ import numpy as np
 import torch
 from sklearn.cluster import AgglomerativeClustering
 
-from models.schema import Field, validate
-from server.fcr_report import agreement
-from server.strategies.base import Result, Strategy, Task, stack, weighted_average
+from flt.models.schema import Field, validate
+from flt.server.fcr_report import agreement
+from flt.server.strategies.base import Result, Strategy, Task, stack, weighted_average
 
 
 def cosine_similarity(updates: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from server.strategies.base import Result, Strategy, Task, stack, weighted_average
+from flt.server.strategies.base import Result, Strategy, Task, stack, weighted_average
 
 
 class FedAvg(Strategy):

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from models.schema import Field, validate
-from server.strategies.base import Task
-from server.strategies.fedavg import FedAvg
+from flt.models.schema import Field, validate
+from flt.server.strategies.base import Task
+from flt.server.strategies.fedavg import FedAvg
 
 
 class FedProx(FedAvg):

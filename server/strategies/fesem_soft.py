@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from models.schema import Field
-from server.strategies.fedsem import FedSEM
+from flt.models.schema import Field
+from flt.server.strategies.fedsem import FedSEM
 
 
 class FeSEMSoft(FedSEM):

@@ -39,15 +39,15 @@ import numpy as np
 import torch
 from sklearn.decomposition import PCA
 
-from models.autoencoder import export_encoder_onnx
-from models.flat import flatten
-from models.schema import Field, section
-from scenarios.errors import DeviceError
-from server import encoder as enc
-from server import fcr
-from server.exchange import Exchange
-from server.fcr_report import agreement, plot_fcr
-from server.strategies.base import Result, Strategy, Task, cluster_average, one_hot, stack, weighted_average
+from flt.models.autoencoder import export_encoder_onnx
+from flt.models.flat import flatten
+from flt.models.schema import Field, section
+from flt.scenarios.errors import DeviceError
+from flt.server import encoder as enc
+from flt.server import fcr
+from flt.server.exchange import Exchange
+from flt.server.fcr_report import agreement, plot_fcr
+from flt.server.strategies.base import Result, Strategy, Task, cluster_average, one_hot, stack, weighted_average
 
 ENCODER = {
     "dataset": Field(

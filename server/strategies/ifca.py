@@ -36,9 +36,9 @@ import logging
 import numpy as np
 import torch
 
-from models.schema import Field, validate
-from server.fcr_report import agreement
-from server.strategies.base import Result, Strategy, Task, cluster_average, one_hot, stack, weighted_average
+from flt.models.schema import Field, validate
+from flt.server.fcr_report import agreement
+from flt.server.strategies.base import Result, Strategy, Task, cluster_average, one_hot, stack, weighted_average
 
 log = logging.getLogger("flt.server")
 

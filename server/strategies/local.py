@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from models.schema import validate
-from server.strategies.base import Result, Strategy, Task
+from flt.models.schema import validate
+from flt.server.strategies.base import Result, Strategy, Task
 
 
 class Local(Strategy):

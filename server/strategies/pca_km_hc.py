@@ -26,10 +26,10 @@ from dataclasses import replace
 import numpy as np
 from sklearn.decomposition import PCA
 
-from models.schema import Field, section, validate
-from server import encoder as enc
-from server import fcr
-from server.strategies.flt import ENCODER, FLT
+from flt.models.schema import Field, section, validate
+from flt.server import encoder as enc
+from flt.server import fcr
+from flt.server.strategies.flt import ENCODER, FLT
 
 LINEAR = {
     "dataset": ENCODER["dataset"],
