@@ -32,8 +32,10 @@ from flt.emulator.run import (
 from flt.models.schema import ConfigError
 from flt.server import fcr
 from flt.server.auth import gate_for
+from flt.server.encoder import image_source
 from flt.server.fcr_report import scatter
 from flt.server.federation import Federation
+from flt.server.reporter import write_artifacts
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context
 from flt.server.strategies.flt import FLT
@@ -94,13 +96,11 @@ def relate_scenario(
             n_train=np.array([len(t) for t in partition.train]),
             device=aggregation_device(),
             seed=cfg["seed"],
-            run_dir=run_dir / spec["label"],
             truth=partition.cluster.copy(),
             train=cfg["train"],
-            scenario=cfg,
-            public=public,
+            public_images=image_source(cfg["data"], public),
         )
-        ctx.run_dir.mkdir(parents=True, exist_ok=True)
+        method_dir = run_dir / spec["label"]
         fed = Federation(transport, cfg["train"], cfg["seed"], cfg["devices"]["round_timeout_s"], ctx.device)
         fed.present = np.arange(m)
         progress(f"{len(devices)} device processes host {m} clients; relating them with {spec['label']}")
@@ -108,6 +108,7 @@ def relate_scenario(
         strategy = STRATEGIES[spec["name"]](ctx, **spec["params"])
         assert isinstance(strategy, FLT)  # pick_method() picks FLT or a subclass
         strategy.setup(fed)
+        write_artifacts(method_dir, strategy.take_artifacts())
         result = strategy.fcr_reports[0] | {
             "method": spec["label"],
             "wall_s": time.perf_counter() - tic,
@@ -118,18 +119,18 @@ def relate_scenario(
         transport.close()
         fleet.stop()
     if umap and strategy.how.space == "embedding":  # the pipeline did not need UMAP; draw it anyway
-        plot_umap(strategy, ctx)
+        plot_umap(strategy, ctx, method_dir)
     (run_dir / "relate.json").write_text(json.dumps(result, indent=2, default=report._jsonable))
     progress(describe(result))
     return run_dir, result
 
 
-def plot_umap(strategy: FLT, ctx: Context) -> None:
+def plot_umap(strategy: FLT, ctx: Context, out_dir: Path) -> None:
     """umap.png: the clients' centroids after seeded UMAP, coloured by found and by true
     cluster (a picture for the person who asked whether their clients are related)."""
     clients = sorted(strategy.centroids)
     points = fcr.umap_project([strategy.centroids[c] for c in clients], seed=ctx.seed)
-    scatter(ctx.run_dir / "umap.png", points, strategy.labels[clients], ctx.truth[clients], "UMAP")
+    scatter(out_dir / "umap.png", points, strategy.labels[clients], ctx.truth[clients], "UMAP")
 
 
 def _fcr_traffic(transport: Transport) -> dict:

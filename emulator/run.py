@@ -27,6 +27,7 @@ from flt.scenarios.datasets import Dataset, load_shared
 from flt.scenarios.errors import DeviceError
 from flt.server import checkpoint
 from flt.server.auth import gate_for
+from flt.server.encoder import image_source
 from flt.server.federation import CHECKPOINT, Federation, run_method
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context
@@ -305,11 +306,9 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print, resume: bool
             n_train=np.array([len(t) for t in partition.train]),
             device=aggregation_device(),
             seed=cfg["seed"],
-            run_dir=run_dir,
             truth=partition.cluster.copy(),
             train=cfg["train"],
-            scenario=cfg,
-            public=public,
+            public_images=image_source(cfg["data"], public),
         )
         fed = Federation(
             transport,
@@ -384,8 +383,8 @@ def run_one(
     # would make the bytes depend on how many processes there are)
     transport.broadcast(Message("reset", tensors={"init": ctx.init.numpy()}))
     transport.ledger.reset()
-    ctx.run_dir = run_dir / spec["label"]
-    ctx.run_dir.mkdir(parents=True, exist_ok=True)
+    method_dir = run_dir / spec["label"]
+    method_dir.mkdir(parents=True, exist_ok=True)
     strategy = STRATEGIES[spec["name"]](ctx, **spec["params"])
     progress(f"== {spec['label']} ==" + (" (resumed)" if resume else ""))
 
@@ -401,7 +400,7 @@ def run_one(
         population,
         cfg["train"]["rounds"],
         cfg["train"]["eval_every"],
-        ctx.run_dir,
+        method_dir,
         progress,
         on_round=record,
         resume=resume,

@@ -13,6 +13,8 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +26,15 @@ from flt.scenarios.datasets import load_dataset
 from flt.server.progress import active, step
 
 
-def public_images(source: dict, scenario: dict, public_idx: np.ndarray | None) -> np.ndarray:
-    """uint8 [N, C, H, W] images the encoder may learn from (never client training data)."""
-    data = scenario["data"]
+def image_source(data: dict, public_idx: np.ndarray | None) -> Callable[[dict], np.ndarray]:
+    """A strategy's `Context.public_images` for the scenario's `data` section and its
+    held-out public slice: strategies get images, not the scenario."""
+    return partial(public_images, data=data, public_idx=public_idx)
+
+
+def public_images(source: dict, data: dict, public_idx: np.ndarray | None) -> np.ndarray:
+    """uint8 [N, C, H, W] images the encoder may learn from (never client training data):
+    `source` is an encoder spec ({dataset, root}), `data` the scenario's data section."""
     if source["dataset"] == "public":
         if public_idx is None or len(public_idx) == 0:
             raise ConfigError(

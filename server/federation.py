@@ -36,6 +36,7 @@ from flt.server.checkpoint import restore_vars
 from flt.server.exchange import Exchange, ExchangeClock, Work
 from flt.server.progress import step
 from flt.server.replies import Check, ShardSizes, centroids_check, metrics_check, update_check
+from flt.server.reporter import write_artifacts
 from flt.server.strategies.base import Result, Strategy, Task
 from flt.server.transport import Ledger, Transport
 
@@ -333,6 +334,7 @@ def run_method(
     else:
         fed.present, fed.events = population.candidates(0), []
         strategy.setup(fed)
+        write_artifacts(out_dir, strategy.take_artifacts())
         done, history, setup_s = 0, [], time.perf_counter() - tic
         (out_dir / "metrics.jsonl").write_text("")
         save_checkpoint(out_dir, 0, setup_s, strategy, fed, population)
@@ -350,6 +352,7 @@ def run_method(
             strategy.aggregate(rnd, results)
             events += strategy.maintain(rnd, fed)
             events += fed.take_events()  # set-up's (round 1), an arrival's, a re-clustering's
+            write_artifacts(out_dir, strategy.take_artifacts())  # a re-clustering's adjacency, ...
             record = {
                 "method": strategy.name,
                 "round": rnd,

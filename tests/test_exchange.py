@@ -161,10 +161,8 @@ def test_flt_reports_what_its_exchanges_cost_without_reading_the_ledger(tmp_path
         n_train=np.full(len(truth), 50),
         device=torch.device("cpu"),
         seed=0,
-        run_dir=tmp_path,
         truth=truth,
         train={"rounds": 10, "participation": 0.5},
-        scenario={"name": "hand"},
     )
     s = FLT(ctx, **parse_methods([{"name": "flt", "recluster_every": 2}])[0].params)
     s.encoder_payload = lambda: ({"onnx": np.zeros(4, np.uint8)}, {"format": "onnx"}, {})

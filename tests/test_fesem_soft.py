@@ -32,10 +32,8 @@ def ctx(tmp_path, truth) -> Context:
         n_train=n,
         device=torch.device("cpu"),
         seed=0,
-        run_dir=tmp_path,
         truth=truth,
         train={},
-        scenario={},
     )
 
 

@@ -14,6 +14,7 @@ from scipy.spatial.distance import cdist
 from flt.emulator.config import parse_methods
 from flt.server import fcr
 from flt.server.exchange import Exchange
+from flt.server.reporter import write_artifacts
 from flt.server.strategies.base import Context, Result, weighted_average
 from flt.server.strategies.fedavg import FedAvg
 from flt.server.strategies.flt import FLT
@@ -103,10 +104,8 @@ def make_ctx(tmp_path) -> Context:
         n_train=np.random.default_rng(0).integers(20, 200, M),
         device=torch.device("cpu"),
         seed=0,
-        run_dir=tmp_path,
         truth=-np.ones(M, dtype=np.int64),
         train={"rounds": 1, "participation": 0.5},
-        scenario={"name": "hand"},
     )
 
 
@@ -217,10 +216,8 @@ def clustered_flt(tmp_path, silent=(), **params) -> tuple[FLT, Embedder]:
         n_train=np.full(len(truth), 50),
         device=torch.device("cpu"),
         seed=0,
-        run_dir=tmp_path,
         truth=truth,
         train={"rounds": 10, "participation": 0.5},
-        scenario={"name": "hand"},
     )
     s = FLT(ctx, **parse_methods([{"name": "flt", **params}])[0].params)
     s.encoder_payload = lambda: ({"onnx": np.zeros(4, np.uint8)}, {"format": "onnx"}, {})
@@ -292,3 +289,33 @@ def test_flt_relate_runs_fcr_alone_over_device_processes(tmp_path):
     assert not (tmp_path / "flt" / "metrics.jsonl").exists()  # no training round ran
     bad = flt("relate", str(QUICKSTART), "--out", str(tmp_path / "x"), "--method", "fedavg")
     assert bad.returncode == 2 and "not an FCR method" in bad.stderr
+
+
+def test_fcr_comes_out_as_artifacts_that_the_reporter_writes(tmp_path):
+    s, fed = clustered_flt(tmp_path, recluster_every=4)
+    (art,) = s.take_artifacts()
+    assert art.name == "fcr" and art.plot == "fcr" and s.take_artifacts() == []  # handed over once
+    np.testing.assert_array_equal(art.arrays["labels"], s.labels)  # every client clustered
+    assert not list(tmp_path.iterdir())  # the strategy itself wrote nothing
+    written = write_artifacts(tmp_path / "out", [art])
+    assert sorted(p.name for p in written) == ["adjacency.png", "centroids.png", "dendrogram.png", "fcr.npz"]
+    with np.load(tmp_path / "out" / "fcr.npz") as z:
+        np.testing.assert_array_equal(z["truth"], np.repeat(np.arange(3), 4))
+    s.maintain(4, fed)  # a periodic re-clustering: its own files, tagged with the round
+    assert [a.name for a in s.take_artifacts()] == ["fcr-round4"]
+
+
+def test_strategies_never_reach_for_the_transport_or_the_disk():
+    """Strategies are pure server logic: the reporter writes, the federation talks."""
+    import ast
+
+    banned_names = {"open", "savez", "savefig", "write_text", "write_bytes", "mkdir", "ledger", "transport"}
+    banned_modules = ("pathlib", "os", "matplotlib", "json", "flt.server.transport", "flt.server.reporter")
+    for path in sorted((REPO / "server" / "strategies").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+            assert name not in banned_names, f"{path.name}:{node.lineno} uses {name}"
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                assert not [m for m in mods if m.startswith(banned_modules)], f"{path.name} imports {mods}"

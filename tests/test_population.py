@@ -113,10 +113,8 @@ def test_recluster_fires_exactly_when_flags_pass_lambda(tmp_path, monkeypatch):
         n_train=np.ones(m, dtype=np.int64),
         device=torch.device("cpu"),
         seed=0,
-        run_dir=tmp_path,
         truth=np.full(m, -1),
         train={},
-        scenario={},
     )
     params = parse_methods([{"name": "flt", "recluster_flags": 2}])[0].params
     flt = FLT(ctx, **params)
@@ -242,10 +240,8 @@ def test_server_side_monitor_flags_a_client_whose_update_turns_away(tmp_path):
         n_train=np.ones(m, dtype=np.int64),
         device=torch.device("cpu"),
         seed=0,
-        run_dir=tmp_path,
         truth=np.full(m, -1),
         train={},
-        scenario={},
     )
     flt = FLT(ctx, **parse_methods([{"name": "flt", "monitor_cosine": 0.0, "recluster_flags": 0}])[0].params)
     flt.labels = np.zeros(m, dtype=np.int64)

@@ -76,8 +76,8 @@ def test_checkpoint_refuses_a_foreign_object_by_its_path(tmp_path):
 
 
 def test_a_checkpoint_naming_a_project_function_as_a_class_is_refused():
-    node = {"$object": "server.checkpoint:save", "attrs": {"$dict": []}}
-    with pytest.raises(CheckpointError, match=r"'server\.checkpoint:save', which is not a class"):
+    node = {"$object": "flt.server.checkpoint:save", "attrs": {"$dict": []}}
+    with pytest.raises(CheckpointError, match=r"'flt\.server\.checkpoint:save', which is not a class"):
         checkpoint.unpack(node, {}, torch.device("cpu"))
 
 
@@ -100,10 +100,8 @@ def test_every_strategy_state_survives_a_checkpoint(tmp_path, name):
         n_train=np.full(6, 10),
         device=torch.device("cpu"),
         seed=0,
-        run_dir=tmp_path,
         truth=np.zeros(6, dtype=np.int64),
         train={"local_epochs": 1, "batch_size": 10, "lr": 0.01},
-        scenario={"name": "t", "data": {"dataset": "digits", "root": None}},
     )
     params = parse_methods([name])[0].params
     before = STRATEGIES[name](ctx, **params)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flt.emulator.population import Population
+from flt.server.encoder import image_source
 from flt.server.exchange import Exchange
 from flt.server.strategies.base import Context, Result
 from flt.server.strategies.cfl import CFL
@@ -19,6 +20,7 @@ from flt.server.strategies.local import Local
 from flt.server.strategies.pca_km_hc import PCAKMHC, gamma_from_quantile, pca_basis
 
 P = 12
+DIGITS = {"dataset": "digits", "root": None}  # the data section of a scenario on scikit-learn's digits
 
 
 def make_ctx(tmp_path, m=8, truth=None, n_train=None, seed=0) -> Context:
@@ -29,10 +31,9 @@ def make_ctx(tmp_path, m=8, truth=None, n_train=None, seed=0) -> Context:
         n_train=np.ones(m, dtype=np.int64) if n_train is None else np.asarray(n_train),
         device=torch.device("cpu"),
         seed=seed,
-        run_dir=tmp_path,
         truth=np.full(m, -1) if truth is None else np.asarray(truth),
         train={"local_epochs": 1, "batch_size": 10, "lr": 0.01},
-        scenario={"data": {"dataset": "digits", "root": None}},
+        public_images=image_source(DIGITS, None),
     )
 
 
@@ -289,7 +290,7 @@ def test_pca_basis_orthonormal_and_capped():
 
 def test_pca_km_hc_payload_is_linear(tmp_path):
     ctx = make_ctx(tmp_path)
-    ctx.public = np.arange(300)
+    ctx.public_images = image_source(DIGITS, np.arange(300))  # the held-out public slice
     s = PCAKMHC(ctx, components=16)
     tensors, meta, info = s.encoder_payload()
     assert meta["format"] == "linear" and meta["k"] == 5 and meta["latent"] == 16
@@ -424,7 +425,7 @@ def test_round_loop_and_byte_formula(tmp_path, name):
     m, rounds = 20, 12
     truth = np.repeat([0, 1], m // 2)
     ctx = make_ctx(tmp_path, m=m, truth=truth, n_train=np.full(m, 5))
-    ctx.public = np.arange(200)
+    ctx.public_images = image_source(DIGITS, np.arange(200))
     targets = torch.where(torch.as_tensor(truth)[:, None] == 0, 3.0, -3.0) * torch.ones(m, P)
     cls, params = LOOP[name]
     strategy = cls(ctx, **params)

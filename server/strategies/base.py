@@ -1,22 +1,27 @@
 """What every strategy is: the server-side half of a federated method.
 
-A strategy never touches sockets. Each round the server asks it what the selected
-clients should receive (`train_tasks`), hands back what they returned (`aggregate`),
-and asks which model each client is evaluated with (`eval_models`). One-off work
-before round 1 (FLT's FCR, IFCA's warm-up) goes in `setup`, which may use the
-federation's `train`, `evaluate` and `embed` calls.
+A strategy is pure server logic: it never touches sockets, the byte ledger or the file
+system. Each round the server asks it what the selected clients should receive
+(`train_tasks`), hands back what they returned (`aggregate`), and asks which model each
+client is evaluated with (`eval_models`). One-off work before round 1 (FLT's FCR, IFCA's
+warm-up) goes in `setup`, which may call what `FederationView` names and nothing else.
+What it found that is worth a file (FCR's adjacency, its plots) it `emit`s as an
+`Artifact`; the server's reporter (server/reporter.py) writes it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from flt.models.schema import Field
+from flt.models.wire import Message
 from flt.server.checkpoint import restore_vars
+from flt.server.exchange import Exchange, Work
 
 
 @dataclass
@@ -32,6 +37,10 @@ class Result:
     meta: dict
 
 
+def _no_public_images(source: dict) -> np.ndarray:
+    raise ValueError("this federation has no public image set")
+
+
 @dataclass
 class Context:
     """What a strategy knows about the federation at construction time."""
@@ -41,11 +50,58 @@ class Context:
     n_train: np.ndarray  # [M] training samples per client
     device: torch.device  # where aggregation runs (CUDA when present)
     seed: int
-    run_dir: Path
     truth: np.ndarray  # [M] planted cluster per client, -1 where unknown
     train: dict  # the scenario's train section (epochs, lr, batch_size, ...)
-    scenario: dict  # the whole resolved scenario, for strategies that need data specs
-    public: np.ndarray | None = None  # train-split indices held out from clients (public set)
+    # uint8 [N, C, H, W] images no client trains on, for an encoder spec ({dataset, root}):
+    # the held-out public slice or another dataset (server/encoder.py: image_source)
+    public_images: Callable[[dict], np.ndarray] = _no_public_images
+
+
+@dataclass
+class Artifact:
+    """Something a strategy found that is worth a file: `arrays` go to NAME.npz in the
+    method's folder, and `plot` names the figures the reporter draws from them ("fcr":
+    adjacency, dendrogram and centroid scatter, server/fcr_report.py)."""
+
+    name: str
+    arrays: dict[str, np.ndarray]
+    plot: str | None = None
+
+
+class FederationView(Protocol):
+    """What a strategy may call on the federation (server/federation.py implements it).
+    Every call is one clocked exchange: priced on the emulated clock, its bytes counted
+    by kind, and reported as an event of the round."""
+
+    @property
+    def present(self) -> np.ndarray:
+        """Clients in the population now (arrivals included, lost devices' clients not)."""
+        ...
+
+    def train(
+        self, rnd: int, tasks: dict[int, Task], delays: dict[int, float] | None = None, timeout_s: float | None = None
+    ) -> Exchange[Result]: ...
+
+    def evaluate(
+        self, rnd: int, clients: np.ndarray, models: torch.Tensor | None, rows: np.ndarray
+    ) -> dict[int, dict]: ...
+
+    def embed(
+        self, rnd: int, clients, tensors: dict[str, np.ndarray], meta: dict, purpose: str = "fcr"
+    ) -> Exchange[np.ndarray]: ...
+
+    def exchange(
+        self,
+        kind: str,
+        rnd: int,
+        msgs: dict[int, Message],
+        reply: str,
+        *,
+        timeout_s: float | None = None,
+        work: Work | None = None,
+    ) -> Exchange[Message]:
+        """A method's own device operation (a `task` message naming its op)."""
+        ...
 
 
 class Strategy:
@@ -54,12 +110,13 @@ class Strategy:
     # the device half: operations the method's tasks name (devices/ops.py registers them;
     # an op of the method's own lives in devices/methods/<op>.py)
     DEVICE_OPS: tuple[str, ...] = ("train", "evaluate")
-    TRANSIENT = ("ctx",)  # given at construction, not changed by the rounds
+    TRANSIENT = ("ctx", "artifacts")  # given at construction / written out every round
 
     def __init__(self, ctx: Context, **params):
         self.ctx, self.params = ctx, params
+        self.artifacts: list[Artifact] = []
 
-    def setup(self, fed) -> None:
+    def setup(self, fed: FederationView) -> None:
         """One-off work before the first round."""
 
     def train_tasks(self, rnd: int, selected: np.ndarray) -> dict[int, Task]:
@@ -76,11 +133,11 @@ class Strategy:
         """Every reply that arrived this round, before the clock drops stragglers: what a
         reply says about its client (FLT's change flag) counts even when it came late."""
 
-    def on_arrival(self, rnd: int, clients: np.ndarray, fed) -> dict | None:
+    def on_arrival(self, rnd: int, clients: np.ndarray, fed: FederationView) -> dict | None:
         """Newcomers joined before this round (their devices are connected)."""
         return None
 
-    def maintain(self, rnd: int, fed) -> list[dict]:
+    def maintain(self, rnd: int, fed: FederationView) -> list[dict]:
         """After aggregation: periodic or triggered work (FLT's re-clustering); returns events."""
         return []
 
@@ -105,6 +162,15 @@ class Strategy:
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state_dict()` on a freshly constructed strategy (setup skipped)."""
         restore_vars(self, state)
+
+    def emit(self, artifact: Artifact) -> None:
+        """Hand `artifact` to the reporter (written after this hook returns)."""
+        self.artifacts.append(artifact)
+
+    def take_artifacts(self) -> list[Artifact]:
+        """The artifacts emitted since the last call (the server's reporter writes them)."""
+        out, self.artifacts = self.artifacts, []
+        return out
 
     # -- helpers shared by the strategies -------------------------------------------------
     def on(self, x: torch.Tensor) -> torch.Tensor:

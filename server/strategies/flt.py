@@ -37,7 +37,6 @@ from dataclasses import asdict, replace
 
 import numpy as np
 import torch
-from sklearn.decomposition import PCA
 
 from flt.models.autoencoder import export_encoder_onnx
 from flt.models.flat import flatten
@@ -46,8 +45,18 @@ from flt.scenarios.errors import DeviceError
 from flt.server import encoder as enc
 from flt.server import fcr
 from flt.server.exchange import Exchange
-from flt.server.fcr_report import agreement, plot_fcr
-from flt.server.strategies.base import Result, Strategy, Task, cluster_average, one_hot, stack, weighted_average
+from flt.server.fcr_report import agreement
+from flt.server.strategies.base import (
+    Artifact,
+    FederationView,
+    Result,
+    Strategy,
+    Task,
+    cluster_average,
+    one_hot,
+    stack,
+    weighted_average,
+)
 
 ENCODER = {
     "dataset": Field(
@@ -246,7 +255,7 @@ class FLT(Strategy):
         self.encoder_info: dict = {}
 
     # -- FCR ----------------------------------------------------------------------------
-    def setup(self, fed) -> None:
+    def setup(self, fed: FederationView) -> None:
         tic = time.perf_counter()
         self.payload, self.payload_meta, self.encoder_info = self.encoder_payload()
         self.payload_bytes = sum(t.nbytes for t in self.payload.values())
@@ -263,7 +272,7 @@ class FLT(Strategy):
         )
         self.fcr_reports.append(report)
 
-    def embed(self, fed, clients, rnd: int, purpose: str = "fcr") -> Exchange:
+    def embed(self, fed: FederationView, clients, rnd: int, purpose: str = "fcr") -> Exchange:
         """Send the encoder to `clients`, keep the k x e centroids they send back; a client
         that re-embedded has no outstanding flag any more. Returns the exchange (who
         answered, its bytes and emulated seconds), reported as `purpose`."""
@@ -280,7 +289,7 @@ class FLT(Strategy):
     def encoder_payload(self) -> tuple[dict, dict, dict]:
         """What travels down for FCR: ONNX bytes (frozen) or the autoencoder (fine-tune)."""
         e = self.params["encoder"]
-        images = enc.public_images(e, self.ctx.scenario, self.ctx.public)
+        images = self.ctx.public_images(e)
         settings = {k: e[k] for k in ("epochs", "lr", "batch_size", "latent")} | {"seed": self.ctx.seed}
         ae, info = enc.pretrained_autoencoder(images, settings, self.ctx.device)
         meta = {"k": self.params["k"], "latent": e["latent"], "in_shape": list(images.shape[1:])}
@@ -344,31 +353,20 @@ class FLT(Strategy):
             **self.encoder_info,
             **agreement(found.labels, truth),
         }
-        np.savez(
-            self.ctx.run_dir / f"fcr{tag}.npz",
-            clients=clients,
-            adjacency=found.distance,
-            graph=found.graph,
-            labels=found.labels,
-            truth=truth,
-            old_labels=old[clients],
-            linkage=found.linkage,
-            order=order,
-            points=np.concatenate(points),
-            owner=np.repeat(clients, [len(p) for p in points]),
-            centroids=np.concatenate([self.centroids[c] for c in clients]),
-        )
-        plot_fcr(
-            self.ctx.run_dir,
-            found.distance,
-            found.graph,
-            found.linkage,
-            order,
-            _scatter_points(points),
-            found.labels,
-            truth,
-            tag,
-        )
+        arrays = {
+            "clients": clients,
+            "adjacency": found.distance,
+            "graph": found.graph,
+            "labels": found.labels,
+            "truth": truth,
+            "old_labels": old[clients],
+            "linkage": found.linkage,
+            "order": order,
+            "points": np.concatenate(points),
+            "owner": np.repeat(clients, [len(p) for p in points]),
+            "centroids": np.concatenate([self.centroids[c] for c in clients]),
+        }
+        self.emit(Artifact(f"fcr{tag}", arrays, plot="fcr"))
         return report
 
     def _carry_models(self, labels: np.ndarray, graph: np.ndarray, n_clusters: int) -> None:
@@ -403,7 +401,7 @@ class FLT(Strategy):
         return weighted_average(self.models[self.labels[known] if self.params["aggregation"] == "case2" else known], n)
 
     # -- a changing population (dynamic FLT) --------------------------------------------
-    def on_arrival(self, rnd: int, clients: np.ndarray, fed) -> dict:
+    def on_arrival(self, rnd: int, clients: np.ndarray, fed: FederationView) -> dict:
         """Newcomers embed their data; they join the cluster whose mean embedding is nearest
         (`newcomers: nearest`), or FCR's server side re-runs over everyone (`recluster`),
         with every client whose flag is outstanding re-embedding too."""
@@ -452,7 +450,7 @@ class FLT(Strategy):
     def _outstanding(self, present) -> np.ndarray:
         return np.array(sorted(set(self.flag_round) & set(np.asarray(present).tolist())), dtype=np.int64)
 
-    def maintain(self, rnd: int, fed) -> list[dict]:
+    def maintain(self, rnd: int, fed: FederationView) -> list[dict]:
         """Re-run FCR when more than lambda flags are outstanding, when one has waited
         `flag_patience` rounds, or every tau rounds. Every client with an outstanding flag
         re-embeds; for tau, everyone does."""
@@ -600,12 +598,3 @@ def _median_offdiagonal(adj: np.ndarray) -> float:
     off = adj[~np.eye(m, dtype=bool)]
     med = float(np.median(off)) if off.size else 1.0
     return med if med > 0 else 1.0
-
-
-def _scatter_points(points: list[np.ndarray]) -> list[np.ndarray]:
-    """2-D points to draw: UMAP's when it made 2-D points, else a deterministic PCA."""
-    if points[0].shape[1] == 2:
-        return points
-    flat = np.concatenate(points)
-    two = flat[:, :2] if flat.shape[1] < 2 else PCA(n_components=2, svd_solver="full").fit_transform(flat)
-    return np.split(two, np.cumsum([len(p) for p in points])[:-1])

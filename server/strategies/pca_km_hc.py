@@ -27,7 +27,6 @@ import numpy as np
 from sklearn.decomposition import PCA
 
 from flt.models.schema import Field, section, validate
-from flt.server import encoder as enc
 from flt.server import fcr
 from flt.server.strategies.flt import ENCODER, FLT
 
@@ -84,7 +83,7 @@ class PCAKMHC(FLT):
         self.gamma_used: float | None = self.params["gamma"]
 
     def encoder_payload(self) -> tuple[dict, dict, dict]:
-        images = enc.public_images(self.params["encoder"], self.ctx.scenario, self.ctx.public)
+        images = self.ctx.public_images(self.params["encoder"])
         components, mean, info = pca_basis(images, self.params["components"], self.ctx.seed)
         meta = {
             "format": "linear",
