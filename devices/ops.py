@@ -93,23 +93,34 @@ def generators(batch: list[Message]) -> list[torch.Generator]:
     return [client_generator(m.meta.get("seed", 0), m.client) for m in batch]
 
 
-def start_models(device: Device, batch: list[Message]) -> list[torch.Tensor]:
-    """Candidate models [K, P] per message: the ones sent, or the device's own copy."""
-    rows = []
-    for m in batch:
-        if m.meta.get("resident"):  # Local: the client's own model lives on the device
-            if m.client not in device.resident:
-                sent = m.tensors.get("model")
-                if sent is not None:
-                    device.resident[m.client] = torch.from_numpy(np.array(sent[0], dtype=np.float32))
-                elif device.init is not None:
-                    device.resident[m.client] = device.init.clone()
-                else:
-                    raise RuntimeError(f"client {m.client}: no model sent and no initial weights (reset)")
-            rows.append(device.resident[m.client][None])
+def shard_data(device: Device, batch: list[Message]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each client's training images and labels, in the batch's order."""
+    shards = [device.shards[m.client] for m in batch]
+    return [s.x for s in shards], [s.y for s in shards]
+
+
+def sent_models(batch: list[Message]) -> list[torch.Tensor]:
+    """The models [K, P] each task carries as tensor "model" (K candidates for an op that
+    picks one of them)."""
+    missing = [m.client for m in batch if "model" not in m.tensors]
+    if missing:
+        raise ValueError(f"clients {missing[:10]}: the {op_name(batch[0])!r} task carries no tensor 'model'")
+    return [torch.from_numpy(np.array(m.tensors["model"], dtype=np.float32)) for m in batch]
+
+
+def resident_model(device: Device, msg: Message) -> torch.Tensor:
+    """[P]: the model this device keeps for msg's client (Local's), created on first use
+    from the model the task carries, else from the run's initial weights (sent with reset)."""
+    c = msg.client
+    if c not in device.resident:
+        sent = msg.tensors.get("model")
+        if sent is not None:
+            device.resident[c] = torch.from_numpy(np.array(sent[0], dtype=np.float32))
+        elif device.init is not None:
+            device.resident[c] = device.init.clone()
         else:
-            rows.append(torch.from_numpy(np.array(m.tensors["model"], dtype=np.float32)))
-    return rows
+            raise RuntimeError(f"client {c}: no model sent and no initial weights (reset)")
+    return device.resident[c]
 
 
 def candidate_losses(device: Device, candidates: list[torch.Tensor], xs, ys) -> list[torch.Tensor]:
@@ -124,19 +135,11 @@ def candidate_losses(device: Device, candidates: list[torch.Tensor], xs, ys) -> 
     ]
 
 
-# -- the built-in operations -----------------------------------------------------------
-@register("train")
-def train(device: Device, batch: list[Message]) -> list[Message]:
-    """E local epochs from the client's model; with K > 1 candidates (IFCA) first pick the
-    one with the lowest loss on the client's data. Resident models (Local) stay here."""
-    gens = generators(batch)
-    shards = [device.shards[m.client] for m in batch]
-    xs, ys = [s.x for s in shards], [s.y for s in shards]
-    candidates = start_models(device, batch)
-    choice = [0] * len(batch)
-    if any(len(c) > 1 for c in candidates):
-        choice = [int(loss.argmin()) for loss in candidate_losses(device, candidates, xs, ys)]
-    start = torch.stack([c[k] for c, k in zip(candidates, choice, strict=True)]).to(device.accel)
+def train_from(device: Device, batch: list[Message], start: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
+    """E local epochs of SGD for every client of the cohort, each from its row of `start`
+    [B, P] (epochs, batch size, lr and FedProx's mu from the task): the trained models
+    [B, P] on the host, and each reply's meta (samples, loss, steps, change flag)."""
+    xs, ys = shard_data(device, batch)
     m0 = batch[0].meta
     cfg = TrainConfig(
         epochs=m0["epochs"],
@@ -145,32 +148,50 @@ def train(device: Device, batch: list[Message]) -> list[Message]:
         prox_mu=m0.get("prox_mu", 0.0),
         vectorize=m0.get("vectorize", True),
     )
-    trained, losses = (t.cpu() for t in trainer(device).train(start, xs, ys, cfg, gens))
-    replies = []
-    for i, m in enumerate(batch):
-        meta = {
+    trained, losses = (t.cpu() for t in trainer(device).train(start.to(device.accel), xs, ys, cfg, generators(batch)))
+    # the flag stays up until the client re-embeds: an update the server drops (a
+    # straggler) must not lose it
+    metas = [
+        {
             "batch": m.meta["batch"],
-            "n": len(xs[i]),
-            "loss": float(losses[i]),
-            "choice": choice[i],
+            "n": len(x),
+            "loss": float(loss),
             "flag": int(m.client in device.flags),
-            "steps": -(-len(xs[i]) // cfg.batch_size) * cfg.epochs,
+            "steps": -(-len(x) // cfg.batch_size) * cfg.epochs,
         }
-        # the flag stays up until the client re-embeds: an update the server drops
-        # (a straggler) must not lose it
-        if m.meta.get("resident"):
-            device.resident[m.client] = trained[i].clone()
-            replies.append(Message("update", m.round, m.client, meta=meta))
-        else:
-            replies.append(Message("update", m.round, m.client, tensors={"model": trained[i].numpy()}, meta=meta))
-    return replies
+        for m, x, loss in zip(batch, xs, losses, strict=True)
+    ]
+    return trained, metas
+
+
+# -- the built-in operations -----------------------------------------------------------
+@register("train")
+def train(device: Device, batch: list[Message]) -> list[Message]:
+    """E local epochs from the one model [1, P] each task carries; the reply carries the
+    trained model. A method that picks among candidates (IFCA: devices/methods/train_best.py)
+    or keeps the model on the device (Local: train_resident.py) names its own op."""
+    models = sent_models(batch)
+    several = [(m.client, len(w)) for m, w in zip(batch, models, strict=True) if len(w) != 1]
+    if several:
+        c, k = several[0]
+        raise ValueError(
+            f"client {c}: 'train' takes one model, the task carries {k} (an op that picks among "
+            "candidates, e.g. train_best, names itself)"
+        )
+    trained, metas = train_from(device, batch, torch.cat(models))
+    return [
+        # "choice" 0 keeps the update's header (and so its billed bytes) what it always was
+        Message("update", m.round, m.client, tensors={"model": w.numpy()}, meta={**meta, "choice": 0})
+        for m, w, meta in zip(batch, trained, metas, strict=True)
+    ]
 
 
 def eval_models(device: Device, batch: list[Message]) -> torch.Tensor:
     """[B, P]: the model each client is evaluated with, in one copy of the sent frames
-    (a copy per message, then the stack, held 3 GB per device at M = 2,400)."""
+    (a copy per message, then the stack, held 3 GB per device at M = 2,400); the
+    device's own (`resident_model`) when the server sent none."""
     if any(m.meta.get("resident") for m in batch):
-        return torch.stack([c[0] for c in start_models(device, batch)])
+        return torch.stack([resident_model(device, m) for m in batch])
     return torch.from_numpy(np.stack([m.tensors["model"][0] for m in batch]).astype(np.float32, copy=False))
 
 

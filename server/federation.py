@@ -126,17 +126,21 @@ class Federation:
             "vectorize": self.cfg["vectorize"],
             "seed": self._seed(rnd),
         }
+        ops = {t.op for t in tasks.values()}
+        if len(ops) > 1:
+            raise ValueError(f"round {rnd}: one round's tasks name one device op, not {sorted(ops)}")
+        op = ops.pop() if ops else "train"
         msgs = {}
         for c, t in tasks.items():
             tensors = {} if t.models is None else {"model": t.models.detach().cpu().numpy()}
             delay = {"delay_s": delays[c]} if delays else {}
-            msgs[c] = Message("train", rnd, c, tensors=tensors, meta={**base, **t.meta, **delay})
+            msgs[c] = _train_message(op, rnd, c, tensors, {**base, **t.meta, **delay})
         ex = self.exchange(
             "train",
             rnd,
             msgs,
-            "update",
-            check=update_check(msgs, self.shard_sizes),
+            "update" if op == "train" else "result",
+            check=update_check(msgs, self.shard_sizes, stays={c for c, t in tasks.items() if not t.model_back}),
             timeout_s=timeout_s,
             work=_trained,
             event=False,
@@ -419,6 +423,14 @@ def resume_method(out_dir: Path, strategy: Strategy, fed: Federation, population
     tmp.replace(metrics)
     log.info("resuming %s after round %d", strategy.name, done)
     return done, [json.loads(line) for line in lines], state["setup_s"]
+
+
+def _train_message(op: str, rnd: int, client: int, tensors: dict, meta: dict) -> Message:
+    """The built-in train op keeps its own kind; a method's own training op travels as a
+    generic task, its bytes billed as model traffic like train's."""
+    if op == "train":
+        return Message("train", rnd, client, tensors=tensors, meta=meta)
+    return Message("task", rnd, client, tensors=tensors, meta={**meta, "op": op, "traffic": "model"})
 
 
 def _payload(msg: Message) -> int:

@@ -14,7 +14,7 @@ Each `*_check` returns a function `(client, reply) -> (reason, detail) | None` f
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TypeGuard
 
 import numpy as np
@@ -27,10 +27,11 @@ ShardSizes = Callable[[int], tuple[int, int]]
 Check = Callable[[int, Message], "tuple[str, str] | None"]
 
 
-def update_check(sent: dict[int, Message], sizes: ShardSizes | None) -> Check:
-    """An `update` must carry exactly the client's training-sample count, the steps that
-    count implies, a candidate index it was offered, and (unless the model stays on the
-    device) one finite model of the size that was sent."""
+def update_check(sent: dict[int, Message], sizes: ShardSizes | None, stays: Collection[int] = ()) -> Check:
+    """An `update` (or a training op's `result`) must carry exactly the client's
+    training-sample count, the steps that count implies, a candidate index it was offered,
+    and (unless the model stays on the device: clients in `stays`) one finite model of
+    the size that was sent."""
 
     def check(client: int, reply: Message):
         task, meta = sent[client], reply.meta
@@ -45,13 +46,13 @@ def update_check(sent: dict[int, Message], sizes: ShardSizes | None) -> Check:
             return "bad meta", f"choice = {short(meta.get('choice'), 24)} of {offered} candidates"
         if meta.get("flag", 0) not in (0, 1) or not _is_number(meta.get("loss", 0.0)):
             return "bad meta", f"flag {short(meta.get('flag'), 24)}, loss {short(meta.get('loss'), 24)}"
-        return _model_problem(task, reply)
+        return _model_problem(task, reply, client in stays)
 
     return check
 
 
-def _model_problem(task: Message, reply: Message):
-    if task.meta.get("resident"):  # the model stays on the device (Local): none travels back
+def _model_problem(task: Message, reply: Message, stays: bool):
+    if stays:  # the model stays on the device (Local): none travels back
         return ("bad model", f"tensors {sorted(reply.tensors)} for a device-resident model") if reply.tensors else None
     model, size = reply.tensors.get("model"), task.tensors["model"].shape[-1]
     if model is None or model.dtype != np.float32 or model.shape != (size,) or len(reply.tensors) != 1:

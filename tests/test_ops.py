@@ -18,6 +18,7 @@ from flt.models.nets import build_model
 from flt.models.wire import Message, ProtocolError, decode, encode
 from flt.server.federation import Federation
 from flt.server.strategies import STRATEGIES
+from flt.server.strategies.base import Task
 from flt.server.transport import Transport
 
 
@@ -121,3 +122,72 @@ def test_an_unknown_op_gets_an_error_reply_that_names_it(served_device, caplog):
         replies = server.gather({4: Message("task", 1, 4, meta={"op": "nosuch"})}, "result", 30)
     assert replies == {}
     assert any("unknown device op 'nosuch'" in r.getMessage() for r in caplog.records), caplog.text
+
+
+# -- methods' own training ops: Local's train_resident, IFCA's train_best ---------------
+def _fed(server) -> Federation:
+    cfg = {"local_epochs": 2, "batch_size": 5, "lr": 0.05, "vectorize": True}
+    return Federation(server, cfg, seed=3, timeout_s=30, device=torch.device("cpu"))
+
+
+def _plain(fed, rnd, starts: dict) -> dict:
+    """What the plain `train` op makes of each client's start model [P] in round `rnd`."""
+    ex = fed.train(rnd, {c: Task(w[None]) for c, w in starts.items()})
+    return {c: r.model for c, r in ex.results.items()}
+
+
+def test_plain_train_knows_neither_candidates_nor_resident_models(served_device, caplog):
+    server, _, w0 = served_device
+    three = np.stack([w0.numpy()] * 3)
+    base = {"epochs": 1, "batch_size": 5, "lr": 0.1}
+    with caplog.at_level(logging.ERROR, logger="flt.server"):
+        assert server.gather({4: Message("train", 1, 4, tensors={"model": three}, meta=base)}, "update", 30) == {}
+        assert server.gather({7: Message("train", 1, 7, meta={**base, "resident": True})}, "update", 30) == {}
+    text = caplog.text
+    assert "'train' takes one model, the task carries 3" in text and "train_best" in text, text
+    assert "clients [7]: the 'train' task carries no tensor 'model'" in text, text
+
+
+def test_train_best_picks_the_lowest_loss_candidate_then_trains_it(served_device):
+    server, dev, w0 = served_device
+    g = torch.Generator().manual_seed(5)
+    candidates = torch.stack([w0 * 0.5, w0, w0 + 0.05 * torch.randn(w0.shape, generator=g)])
+    fed = _fed(server)
+    ex = fed.train(2, {c: Task(candidates, op="train_best") for c in (4, 7)})
+    assert sorted(ex.kept) == [4, 7]
+    down, up = server.ledger.totals()["down"]["model"], server.ledger.totals()["up"]["model"]
+    assert down["payload"] == 2 * candidates.numel() * 4 and up["payload"] == 2 * w0.numel() * 4  # model traffic
+    picked = {}
+    for c, r in ex.results.items():
+        shard = dev.shards[c]
+        want = int(dev.trainer.losses_of(candidates, [shard.x], [shard.y])[0].argmin())
+        assert r.meta["choice"] == want and r.meta["op"] == "train_best" and r.n == 12
+        picked[c] = candidates[want]
+    plain = _plain(fed, 2, picked)  # the same round's seed: the same batches
+    for c, r in ex.results.items():
+        torch.testing.assert_close(r.model, plain[c], rtol=0, atol=0)
+
+
+def test_train_resident_keeps_the_model_on_the_device_across_rounds(served_device):
+    server, dev, w0 = served_device
+    fed = _fed(server)
+    first = fed.train(1, {c: Task(w0[None], op="train_resident", model_back=False) for c in (4, 7)})
+    assert all(r.model is None and r.meta["op"] == "train_resident" for r in first.results.values())
+    assert server.ledger.totals()["up"]["model"]["payload"] == 0  # nothing but headers came back
+    after_one = _plain(fed, 1, {4: w0, 7: w0})
+    for c in (4, 7):
+        torch.testing.assert_close(dev.resident[c], after_one[c], rtol=0, atol=0)
+    # round 2 sends nothing: the device trains on from what it kept
+    second = fed.train(2, {4: Task(None, op="train_resident", model_back=False)})
+    assert second.kept == [4]
+    torch.testing.assert_close(dev.resident[4], _plain(fed, 2, {4: after_one[4]})[4], rtol=0, atol=0)
+    kept = server.gather({4: Message("snapshot", 2, 4)}, "state", 30)[4]  # what a checkpoint saves
+    np.testing.assert_array_equal(kept.tensors["model"], dev.resident[4].numpy())
+
+
+def test_one_round_names_one_training_op(served_device):
+    server, _, w0 = served_device
+    with pytest.raises(
+        ValueError, match=r"round 1: one round's tasks name one device op, not \['train', 'train_best'\]"
+    ):
+        _fed(server).train(1, {4: Task(w0[None]), 7: Task(w0[None], op="train_best")})

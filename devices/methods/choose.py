@@ -9,21 +9,21 @@ the reply ("result") carries the index in meta "choice" and the K losses as tens
 
 from __future__ import annotations
 
-from flt.devices.ops import candidate_losses, register, start_models
+from flt.devices.ops import candidate_losses, register, sent_models, shard_data
 from flt.models.wire import Message
 
 
 @register("choose")
 def choose(device, batch: list[Message]) -> list[Message]:
-    shards = [device.shards[m.client] for m in batch]
-    losses = candidate_losses(device, start_models(device, batch), [s.x for s in shards], [s.y for s in shards])
+    xs, ys = shard_data(device, batch)
+    losses = candidate_losses(device, sent_models(batch), xs, ys)
     return [
         Message(
             "result",
             m.round,
             m.client,
             tensors={"losses": loss.numpy()},
-            meta={"batch": m.meta["batch"], "op": "choose", "choice": int(loss.argmin()), "n": len(s.y)},
+            meta={"batch": m.meta["batch"], "op": "choose", "choice": int(loss.argmin()), "n": len(y)},
         )
-        for m, s, loss in zip(batch, shards, losses, strict=True)
+        for m, y, loss in zip(batch, ys, losses, strict=True)
     ]

@@ -26,8 +26,17 @@ from flt.server.exchange import Exchange, Work
 
 @dataclass
 class Task:
-    models: torch.Tensor | None  # [K, P] candidates (K = 1 except IFCA); None: device keeps its own
+    """One selected client's training task. `op` is the device operation that trains:
+    the built-in "train" (one model in, one out) or the method's own (devices/methods/<op>.py,
+    listed in DEVICE_OPS; all of a round's tasks name the same one). `models` [K, P] is
+    what travels (K > 1 only for an op that picks among candidates; None: nothing does).
+    `model_back` False: the op keeps the trained model on the device (Local), and a reply
+    that carries one anyway is rejected."""
+
+    models: torch.Tensor | None
     meta: dict = field(default_factory=dict)
+    op: str = "train"
+    model_back: bool = True
 
 
 @dataclass

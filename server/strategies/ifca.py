@@ -25,6 +25,9 @@ Choices made where the paper leaves room:
   on the most clients; cluster 0 while nobody has chosen yet).
 Optional weight sharing of the paper (shared lower layers) is not implemented.
 
+Device side: the pick and the training are the op `train_best`
+(devices/methods/train_best.py); warm-up rounds use the plain `train`.
+
 Traffic: C models down and one up per selection after warm-up, rho*M*W*T*(C+1);
 2 W per selection during warm-up.
 """
@@ -45,6 +48,7 @@ log = logging.getLogger("flt.server")
 
 class IFCA(Strategy):
     name = "ifca"
+    DEVICE_OPS = ("train", "train_best", "evaluate")
     PARAMS = {
         "clusters": Field(int, 5, "C, the number of cluster models", min=1),
         "warmup_rounds": Field(int, 0, "FedAvg rounds (one model) before the C models are spawned", min=0),
@@ -96,7 +100,7 @@ class IFCA(Strategy):
         models = self._spawn(self.global_model) if self.models is None else self.models
         self.sel_cluster += len(selected)
         host = models.cpu()  # [C, P], one buffer shared by every message
-        return {int(c): Task(host) for c in selected}
+        return {int(c): Task(host, op="train_best") for c in selected}
 
     def aggregate(self, rnd: int, results: dict[int, Result]) -> None:
         if not results:

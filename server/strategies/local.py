@@ -4,11 +4,12 @@ The reference point "no collaboration" of McMahan et al. (2017) and of the FLT p
 tables: client m minimises its own empirical risk, w_m^{t+1} = SGD_E(w_m^t; D_m), starting
 from the common initial weights w^0. There is no communication after initialisation.
 
-Over the wire: the first time a client is selected its Task carries w^0 with meta
-{"resident": True}; the device keeps that client's model from then on, trains it in
-every round the client is selected (the same participation draws as every other method)
-and replies without a model tensor. Later Tasks carry no model at all. Evaluation is
-device-resident as well (`eval_models` returns models None).
+Over the wire: its tasks name the device op `train_resident`
+(devices/methods/train_resident.py). The first time a client is selected its Task
+carries w^0; the device keeps that client's model from then on, trains it in every round
+the client is selected (the same participation draws as every other method) and replies
+without a model tensor. Later Tasks carry no model at all. Evaluation is device-resident
+as well (`eval_models` returns models None).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from flt.server.strategies.base import Result, Strategy, Task
 class Local(Strategy):
     name = "local"
     PARAMS: dict = {}
+    DEVICE_OPS = ("train_resident", "evaluate")
 
     def __init__(self, ctx, **params):
         super().__init__(ctx, **validate(params, self.PARAMS, self.name))
@@ -34,7 +36,7 @@ class Local(Strategy):
         for c in map(int, selected):
             # Marked when the Task is sent: the device stores w^0 before it trains, so even a
             # client whose update is later dropped (straggler, offline) already holds it.
-            tasks[c] = Task(None if self.initialised[c] else self.init_host, {"resident": True})
+            tasks[c] = Task(None if self.initialised[c] else self.init_host, op="train_resident", model_back=False)
             self.initialised[c] = True
         return tasks
 
