@@ -29,6 +29,7 @@ import zmq
 from flt.devices import ops
 from flt.devices.trainer import CohortTrainer
 from flt.models.flat import param_spec
+from flt.models.heap import limit_heap_retention
 from flt.models.keys import Credentials, HandshakeWatch
 from flt.models.nets import build_model
 from flt.models.wire import Message, ProtocolError, decode, encode
@@ -251,7 +252,7 @@ class Device:
                 )
             )
             return
-        if msg.kind == "train" and msg.round == self.crash_at_round:
+        if msg.kind in ("train", "task") and msg.round == self.crash_at_round:  # a method's own training op too
             log.error("%s: injected crash in round %d (tasks received, no reply)", self.name, msg.round)
             os._exit(3)
         batch = self.pending.setdefault(msg.meta["batch"], [])
@@ -337,6 +338,7 @@ def main(argv=None) -> int:
     p.add_argument("--key", help="this device's NAME.key_secret (from `flt keys`): CURVE")
     p.add_argument("--server-key", help="the server's server.key (from `flt keys`)")
     a = p.parse_args(argv)
+    limit_heap_retention()  # a device lives for the whole run: freed buffers go back to the system
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
     return Device(
         a.connect, a.name, a.data_root, a.threads, a.parent_pid, a.crash_at_round, Credentials.load(a.key, a.server_key)

@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Callable
 
+from flt.models.heap import limit_heap_retention
 from flt.scenarios.errors import FltError
 
 
@@ -89,6 +90,7 @@ def main(argv=None) -> int:
     keys_.add_argument("--prefix", default="edge", help="device names PREFIX-0, PREFIX-1, ... (default edge)")
 
     args = parser.parse_args(argv)
+    limit_heap_retention()  # the server lives for the whole run too (models/heap.py)
     args.argv = sys.argv[1:] if argv is None else list(argv)  # recorded in each run folder
     logging.basicConfig(
         level=logging.WARNING if args.cmd != "device" else logging.INFO, format="%(levelname)s %(name)s: %(message)s"

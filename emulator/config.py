@@ -109,6 +109,14 @@ DEVICES = {
         "or ray (Ray actors on a cluster's nodes; pip install 'flt-emulator[ray]')",
         choices=("local", "ray"),
     ),
+    "start": Field(
+        str,
+        "forkserver",
+        "how local device processes start: forkserver (forked from one process that has "
+        "imported torch, so those pages are shared: about 270 MB less per device) or exec "
+        "(a fresh `python -m flt.devices` each)",
+        choices=("forkserver", "exec"),
+    ),
     "ray_address": Field(
         str,
         None,

@@ -1,7 +1,16 @@
-"""Starting, watching and stopping the device processes on this machine."""
+"""Starting, watching and stopping the device processes on this machine.
+
+By default (`devices.start: forkserver`) device processes are forked from one server
+process that has already imported torch, onnxruntime and the device program: the pages
+those imports filled (about 270 MB per process with a CUDA build of torch) are then
+shared copy-on-write instead of being loaded again by every device. `exec` starts each
+device as a fresh `python -m flt.devices`, as a device on another host is started.
+"""
 
 from __future__ import annotations
 
+import gc
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -12,9 +21,70 @@ from pathlib import Path
 from flt.scenarios.errors import DeviceError
 from flt.server.transport import Transport
 
+# what the fork server imports once, before it forks any device
+PRELOAD = ["torch", "onnxruntime", "sklearn.cluster", "flt.devices.device", "flt.devices.ops"]
+START_METHODS = ("forkserver", "exec")
+
+
+def _run_device(argv: list[str], env: dict[str, str], log: str) -> None:
+    """A forked device's first steps: its own session (Ctrl-C reaches the emulator, which
+    shuts devices down in order), its log file as stdout and stderr, its environment."""
+    gc.freeze()  # the preloaded objects: a collection would write to every page they share
+    os.setsid()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.update(env)
+    from flt.devices.device import main
+
+    # a device exits when its parent does: here the fork server, which exits with the emulator
+    sys.exit(main([*argv, "--parent-pid", str(os.getppid())]))
+
+
+class ForkedDevice:
+    """A device forked by the fork server, with the part of Popen's interface the fleet uses."""
+
+    def __init__(self, proc: multiprocessing.process.BaseProcess):
+        self.proc = proc
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.exitcode
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"device {self.proc.name}", timeout or 0)
+        return self.proc.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self.proc.exitcode is None and self.proc.pid is not None:
+            os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
+def fork_context() -> multiprocessing.context.BaseContext | None:
+    """The fork server's context (started on first use), or None where there is none (Windows)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return None
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
 
 class DeviceFleet:
-    """Device processes launched with `python -m flt.devices`, one log file each."""
+    """Device processes on this machine, one log file each: forked from the fork server,
+    or launched with `python -m flt.devices` (`start`)."""
 
     def __init__(
         self,
@@ -23,11 +93,15 @@ class DeviceFleet:
         threads: int = 1,
         crash: dict | None = None,
         enroll: Callable[[str], dict[str, str]] = lambda name: {},
+        start: str = "forkserver",
     ):
+        if start not in START_METHODS:
+            raise ValueError(f"devices.start must be one of {', '.join(START_METHODS)}, not {start!r}")
         self.endpoint, self.log_dir, self.threads = endpoint, log_dir, threads
         self.enroll = enroll  # name -> the credentials (env vars) that alone get that name
         self.crash = crash or {}  # device index -> round at which it dies (fault injection)
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.forks = fork_context() if start == "forkserver" else None
+        self.procs: dict[str, subprocess.Popen | ForkedDevice] = {}
         self.retired: dict[str, int | None] = {}
         log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -38,28 +112,27 @@ class DeviceFleet:
             self.procs[name] = self.spawn(name, self.crash.get(first + i))
         return names
 
-    def spawn(self, name: str, crash_at_round: int | None = None) -> subprocess.Popen:
-        cmd = [
-            sys.executable,
-            "-m",
-            "flt.devices",
-            "--connect",
-            self.endpoint,
-            "--name",
-            name,
-            "--threads",
-            str(self.threads),
-            "--parent-pid",
-            str(os.getpid()),
-        ]
+    def spawn(self, name: str, crash_at_round: int | None = None) -> subprocess.Popen | ForkedDevice:
+        argv = ["--connect", self.endpoint, "--name", name, "--threads", str(self.threads)]
         if crash_at_round is not None:
-            cmd += ["--crash-at-round", str(crash_at_round)]
+            argv += ["--crash-at-round", str(crash_at_round)]
         # secrets by environment (same user only), never on the command line (`ps` shows it)
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), **self.enroll(name)}
+        env = {"OMP_NUM_THREADS": str(self.threads), **self.enroll(name)}
+        log = self.log_dir / f"{name}.log"
+        if self.forks is not None:
+            proc = self.forks.Process(target=_run_device, args=(argv, env, str(log)), name=name, daemon=True)  # type: ignore[attr-defined]
+            proc.start()
+            return ForkedDevice(proc)
         # the child keeps its own copy of the log's descriptor; ours closes when the block ends
-        with open(self.log_dir / f"{name}.log", "w") as logf:
+        with open(log, "w") as logf:
             # own process group: Ctrl-C reaches the emulator, which shuts devices down in order
-            return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            return subprocess.Popen(
+                [sys.executable, "-m", "flt.devices", *argv, "--parent-pid", str(os.getpid())],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env},
+                start_new_session=True,
+            )
 
     def alive(self, name: str) -> bool:
         proc = self.procs.get(name)
@@ -121,4 +194,4 @@ def make_fleet(devices: dict, endpoint: str, log_dir: Path, enroll: Callable[[st
         from flt.emulator.ray_launcher import RayFleet
 
         return RayFleet(endpoint, log_dir, devices["threads"], devices["crash"], enroll, address=devices["ray_address"])
-    return DeviceFleet(endpoint, log_dir, devices["threads"], devices["crash"], enroll=enroll)
+    return DeviceFleet(endpoint, log_dir, devices["threads"], devices["crash"], enroll=enroll, start=devices["start"])

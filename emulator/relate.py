@@ -82,7 +82,9 @@ def relate_scenario(
     torch.set_num_threads(max(1, (os.cpu_count() or 1) - n_proc * cfg["devices"]["threads"]))
     d = cfg["devices"]
     transport = Transport(d["bind"], gate_for(d["bind"], d["security"], d["keys"], external=0))  # local only
-    fleet = processes.DeviceFleet(transport.endpoint, run_dir / "logs", d["threads"], {}, enroll=transport.gate.enroll)
+    fleet = processes.DeviceFleet(
+        transport.endpoint, run_dir / "logs", d["threads"], {}, enroll=transport.gate.enroll, start=d["start"]
+    )
     transport.alive = fleet.alive
     tic = time.perf_counter()
     try:
