@@ -21,6 +21,7 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -58,6 +59,21 @@ class Shard:
     @property
     def x_test(self) -> torch.Tensor:
         return self.test_images.floats(self.idx_test)
+
+
+def process_gone(pid: int) -> bool:
+    """Whether the emulator that started us has ended. It is not always our parent (a
+    forked device's parent is the fork server), so its pid is checked, not getppid()."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # it exists, as another user
+    try:  # killed but not yet reaped by its own parent: a zombie
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False  # no /proc (macOS): os.kill said it exists
 
 
 class Images:
@@ -124,7 +140,7 @@ class Device:
         handlers = {"assign": self.on_assign, "reset": self.on_reset, "drift": self.on_drift, "state": self.on_state}
         while True:
             if not self.sock.poll(1000):
-                if self.parent_pid and os.getppid() != self.parent_pid:  # orphaned
+                if self.parent_pid and process_gone(self.parent_pid):  # orphaned
                     log.warning("%s: parent process %s is gone; exiting", self.name, self.parent_pid)
                     return 1
                 if why := self.handshakes.refused():

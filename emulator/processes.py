@@ -38,8 +38,7 @@ def _run_device(argv: list[str], env: dict[str, str], log: str) -> None:
     os.environ.update(env)
     from flt.devices.device import main
 
-    # a device exits when its parent does: here the fork server, which exits with the emulator
-    sys.exit(main([*argv, "--parent-pid", str(os.getppid())]))
+    sys.exit(main(argv))
 
 
 class ForkedDevice:
@@ -114,6 +113,7 @@ class DeviceFleet:
 
     def spawn(self, name: str, crash_at_round: int | None = None) -> subprocess.Popen | ForkedDevice:
         argv = ["--connect", self.endpoint, "--name", name, "--threads", str(self.threads)]
+        argv += ["--parent-pid", str(os.getpid())]  # a device exits when the emulator has gone
         if crash_at_round is not None:
             argv += ["--crash-at-round", str(crash_at_round)]
         # secrets by environment (same user only), never on the command line (`ps` shows it)
@@ -127,7 +127,7 @@ class DeviceFleet:
         with open(log, "w") as logf:
             # own process group: Ctrl-C reaches the emulator, which shuts devices down in order
             return subprocess.Popen(
-                [sys.executable, "-m", "flt.devices", *argv, "--parent-pid", str(os.getpid())],
+                [sys.executable, "-m", "flt.devices", *argv],
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **env},

@@ -3,6 +3,7 @@ with the same results either way; and the heap setting every long-lived process 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -69,3 +70,62 @@ def test_forked_and_executed_devices_give_the_same_run(tmp_path):
         for rec in runs[start]:
             rec.pop("timing")
     assert runs["forkserver"] == runs["exec"]
+
+
+def _descendants(pid: int) -> set[int]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # exited meanwhile
+                kids.setdefault(_parent(int(entry)), []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow  # one quickstart start-up
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_forked_devices_exit_when_the_emulator_is_killed(tmp_path):
+    """No orphans: SIGKILL gives the emulator no chance to stop its devices; the fork server
+    sees its parent go and exits, and each device sees its parent go and exits."""
+    import subprocess
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flt.emulator.cli",
+            "run",
+            str(QUICKSTART),
+            "--set",
+            "train.rounds=500",
+            "--set",
+            "methods=[fedavg]",
+            "--out",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    metrics, deadline = tmp_path / "fedavg" / "metrics.jsonl", time.monotonic() + 300
+    while not metrics.exists() or not metrics.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run never reached round 1"
+        time.sleep(0.05)
+    family = _descendants(proc.pid)
+    assert len(family) >= 3  # the fork server and 2 devices (and multiprocessing's resource tracker)
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while any(_running(p) for p in family) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in family if _running(p)], "processes outlived the emulator"

@@ -21,7 +21,7 @@ TINY = ("--set", "methods=[fedavg]", "--set", "train.rounds=2", "--set", "device
 
 
 def flt(*args: str, prelude: str = "pass", timeout: float = 600) -> subprocess.CompletedProcess:
-    code = f"import sys; {prelude}; from emulator.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = f"import sys; {prelude}; from flt.emulator.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run(
         [sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
     )

@@ -377,7 +377,7 @@ def test_a_scenario_runs_from_another_folder_and_prints_its_data_root(tmp_path):
 
 def test_a_bug_keeps_its_traceback_and_exits_1(tmp_path):
     code = (
-        "import sys; from emulator import cli, run\n"
+        "import sys; from flt.emulator import cli, run\n"
         "def broken(cfg, out=None, **kw): raise ValueError('a bug, not a mistake')\n"
         "run.run_scenario = broken\n"
         f"sys.exit(cli.main(['run', {str(QUICKSTART)!r}]))\n"
