@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from flt_command import flt  # tests/ is on sys.path under pytest
 
 from flt.models import keys
 from flt.models.wire import Message
@@ -22,12 +23,6 @@ from flt.server.transport import Transport
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
-
-
-def flt(*args, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "flt.emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def peer(

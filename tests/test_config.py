@@ -2,24 +2,17 @@
 config saved in the run folder, `flt compare`, and `flt --help`."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from flt_command import flt  # tests/ is on sys.path under pytest
 
 from flt.emulator import config
 from flt.models.schema import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
-
-
-def flt(*args, timeout=600):
-    return subprocess.run(
-        [sys.executable, "-m", "flt.emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def scenario(tmp_path: Path, text: str, name: str = "bad.yaml") -> Path:

@@ -6,15 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from flt_command import flt  # tests/ is on sys.path under pytest
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
-
-
-def flt(*args, timeout=600):
-    return subprocess.run(
-        [sys.executable, "-m", "flt.emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def summary(run_dir: Path) -> dict:

@@ -7,13 +7,12 @@ centroids up), and that without profiles nothing about the run changes but the c
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from flt_command import flt  # tests/ is on sys.path under pytest
 
 from flt.emulator.config import parse_methods
 from flt.emulator.population import Population
@@ -66,12 +65,6 @@ def test_embedding_work_counts_forward_passes_and_fine_tuning_batches():
     assert _trained(Message("train", 1, 1, meta={"batch_size": 10}), Message("update", 1, 1, meta={"steps": 8})) == (
         0.0,
         80.0,
-    )
-
-
-def flt(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "flt.emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=900
     )
 
 

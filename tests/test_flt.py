@@ -2,13 +2,12 @@
 server-side pieces (Case I aggregation, vectorized adjacency, Ward clustering) by hand."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from flt_command import flt  # tests/ is on sys.path under pytest
 from scipy.spatial.distance import cdist
 
 from flt.emulator.config import parse_methods
@@ -22,12 +21,6 @@ from flt.server.strategies.flt import FLT
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
 CLIENTS = 20
-
-
-def flt(*args, timeout=600):
-    return subprocess.run(
-        [sys.executable, "-m", "flt.emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
 
 
 # -- FCR end to end: the quickstart's fedavg + flt over two device processes --------------

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from flt_command import flt as flt_cli  # tests/ is on sys.path under pytest
 
 from flt.emulator.clock import EmulatedClock
 from flt.emulator.config import parse_methods
@@ -200,12 +201,6 @@ methods:
   - local
   - {name: ifca, clusters: 3}
 """
-
-
-def flt_cli(*args, timeout=600):
-    return subprocess.run(
-        [sys.executable, "-m", "flt.emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def results_without_timing(run_dir: Path) -> dict:

@@ -4,14 +4,13 @@ resumed; progress as a bar on a terminal and as thinned lines elsewhere."""
 import io
 import json
 import shutil
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from flt_command import flt  # tests/ is on sys.path under pytest
 
 from flt.emulator import config, suite
 from flt.models.autoencoder import ConvAE
@@ -144,10 +143,6 @@ def test_suite_lines_say_which_scenario_and_how_much_is_left(tmp_path):
 
 
 # -- the command, end to end ---------------------------------------------------------------
-def flt(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "flt.emulator.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=600
-    )
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ run folder or process exists; a bug keeps its traceback (exit 1)."""
 from __future__ import annotations
 
 import gzip
-import os
 import subprocess
 import sys
 import tracemalloc
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flt_command import flt  # tests/ is on sys.path under pytest
 
 from flt.emulator import config
 from flt.emulator.population import schedule_from
@@ -23,18 +23,6 @@ from flt.server.strategies import STRATEGIES
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
 SHARED = REPO.parent / "shared" / "data"
-
-
-def flt(*args, cwd=REPO, timeout=300):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "flt.emulator.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
 
 
 def assert_one_line_error(res, code: int, *words: str) -> None:
