@@ -280,9 +280,11 @@ class _StackedOptimizer:
     """SGD or Adam applied in place to the stacked parameter views."""
 
     def __init__(self, flat: torch.Tensor, cfg: TrainConfig):
-        self.cfg, self.t = cfg, 0
+        self.cfg = cfg
+        self.t: torch.Tensor | int = 0  # Adam: each client's step count [B], a tensor from the first step
         if cfg.optimizer == "adam":
-            self.m, self.v = {}, {}
+            self.m: dict[str, torch.Tensor] = {}
+            self.v: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
     def step(self, grads: dict, params: dict, active: torch.Tensor):
@@ -293,11 +295,12 @@ class _StackedOptimizer:
             for k, g in grads.items():
                 params[k].sub_(g, alpha=lr)  # no temporary the size of the stack
             return
-        self.t = self.t + active.double()  # each client's own step count
+        steps = self.t + active.double()  # each client's own step count
+        self.t = steps
         b1, b2, eps = 0.9, 0.999, 1e-8
         for k, g in grads.items():
             on = active.view((-1,) + (1,) * (g.dim() - 1))
-            t = self.t.clamp(min=1).view_as(on)
+            t = steps.clamp(min=1).view_as(on)
             m = self.m.setdefault(k, torch.zeros_like(g))
             v = self.v.setdefault(k, torch.zeros_like(g))
             m.copy_(torch.where(on, b1 * m + (1 - b1) * g, m))
