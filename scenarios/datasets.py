@@ -131,7 +131,8 @@ def save_npz_atomic(path: Path, **arrays: np.ndarray) -> None:
     Uncompressed so a reload is a plain read (well under a second for CIFAR-10);
     the rename makes concurrent loaders see either nothing or a complete file.
     """
-    _write_atomic(path, lambda f: np.savez(f, **arrays))
+    # numpy's stubs type **arrays as if a key could be allow_pickle (a bool)
+    _write_atomic(path, lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]
 
 
 def _write_atomic(path: Path, write) -> None:
@@ -162,7 +163,7 @@ def _read_bytes(path: Path) -> bytes:
         raise DataError(f"{path}: corrupt or truncated file ({type(exc).__name__}: {exc})") from None
 
 
-_IDX_DTYPES = {
+_IDX_DTYPES: dict[int, np.dtype] = {
     0x08: np.dtype(np.uint8),
     0x09: np.dtype(np.int8),
     0x0B: np.dtype(">i2"),
@@ -465,7 +466,9 @@ def _tar_members(tar_path: Path) -> dict[str, list[tuple[str, str, str, bytes]]]
             hit = _split_member(name)
             if hit is not None:
                 prefix, split, cls, fname = hit
-                found.setdefault(prefix, []).append((split, cls, fname, tf.extractfile(m).read()))
+                member = tf.extractfile(m)
+                assert member is not None  # a regular file (checked above) always has a reader
+                found.setdefault(prefix, []).append((split, cls, fname, member.read()))
     return found
 
 
@@ -560,37 +563,38 @@ def _decode_images(items: list[tuple[str, bytes]]) -> np.ndarray:
                     out[i] = t.numpy()
     except Exception:  # old torchvision without batched decode, odd JPEGs: PIL below
         pass
-    for i, a in enumerate(out):
+    images: list[np.ndarray] = []
+    for (_, data), a in zip(items, out, strict=True):
         if a is None:
-            with Image.open(io.BytesIO(items[i][1])) as im:
-                out[i] = np.asarray(im.convert("RGB")).transpose(2, 0, 1)
-    if not out:
+            with Image.open(io.BytesIO(data)) as im:
+                a = np.asarray(im.convert("RGB")).transpose(2, 0, 1)
+        images.append(a)
+    if not images:
         return np.zeros((0, 3, 0, 0), np.uint8)
-    shapes = sorted({a.shape for a in out})
+    shapes = sorted({a.shape for a in images})
     if len(shapes) > 1:
         raise DataError(f"images differ in size ({shapes[:4]}); resize them first")
-    return np.ascontiguousarray(np.stack(out))
+    return np.ascontiguousarray(np.stack(images))
 
 
 def _load_imagefolder(name: str, root: Path | None, train: bool, download: bool) -> Dataset:
     root = _need_root(name, root)
     source = _find_image_folder(name, root, download)
-    tarball, tree = (source, None) if source.is_file() else (None, source)
-
-    if tarball is not None:
-        st = tarball.stat()
-        key = _key("tar", str(tarball.resolve()), st.st_size, st.st_mtime_ns)
+    is_tarball = source.is_file()  # else an image tree
+    if is_tarball:
+        st = source.stat()
+        key = _key("tar", str(source.resolve()), st.st_size, st.st_mtime_ns)
     else:
         # A plain tree: key by every file's name, size and mtime (a cheap walk).
         stats = []
-        for dirpath, _, fnames in os.walk(tree):
+        for dirpath, _, fnames in os.walk(source):
             for fn in fnames:
                 s = os.stat(os.path.join(dirpath, fn))
-                stats.append((os.path.relpath(os.path.join(dirpath, fn), tree), s.st_size, s.st_mtime_ns))
-        key = _key("tree", str(tree.resolve()), sorted(stats))
+                stats.append((os.path.relpath(os.path.join(dirpath, fn), source), s.st_size, s.st_mtime_ns))
+        key = _key("tree", str(source.resolve()), sorted(stats))
     npz = cache_dir() / "imagefolder" / f"{key}.npz"
     if not npz.is_file():
-        items = _read_tarball(tarball) if tarball is not None else _read_tree(tree)
+        items = _read_tarball(source) if is_tarball else _read_tree(source)
         # ImageFolder's order: classes by sorted name (from train), files sorted inside.
         items.sort(key=lambda t: (t[0], t[1], t[2]))
         classes = sorted({c for sp, c, _, _ in items if sp == "train"})
