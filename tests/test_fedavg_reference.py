@@ -10,7 +10,6 @@ is the sample-weighted average of what they return.
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from flt_command import QUICKSTART, flt  # tests/ is on sys.path under pytest
 
 from flt.devices.device import client_generator
 from flt.devices.trainer import CohortTrainer, TrainConfig
@@ -83,16 +83,9 @@ def test_two_emulator_fedavg_rounds_equal_fedavg_by_hand(tmp_path, one_thread):
     and the accuracy it reported equal FedAvg computed here from the same clients, the
     same initial weights and the devices' own batch streams."""
     overrides = ["methods=[fedavg]", "train.rounds=2", "devices.processes=2"]
-    res = subprocess.run(
-        [sys.executable, "-m", "flt.emulator.cli", "run", "scenarios/quickstart.yaml", "--out", str(tmp_path)]
-        + [a for o in overrides for a in ("--set", o)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    res = flt("run", str(QUICKSTART), "--out", str(tmp_path), *[a for o in overrides for a in ("--set", o)])
     assert res.returncode == 0, res.stderr
-    cfg = config.load(REPO / "scenarios" / "quickstart.yaml", overrides, methods=["fedavg"])
+    cfg = config.load(QUICKSTART, overrides, methods=["fedavg"])
     t = cfg["train"]
     train, test = load_dataset("digits", None, train=True), load_dataset("digits", None, train=False)
     part = Partition.load(tmp_path / "partition.npz")
