@@ -97,7 +97,9 @@ class Population:
         return np.sort(rng.choice(pool, size=k, replace=False)) if k else pool[:0]
 
     # -- what changes -----------------------------------------------------------------
-    def before_round(self, rnd: int, fed, strategy) -> list[dict]:
+    def before_round(self, rnd: int) -> list[dict]:
+        """Apply this round's drift and connect its newcomers; returns their events (the
+        server loop then tells the strategy about the arrivals)."""
         events = []
         if rnd in self.schedule.drift:
             changes = self.schedule.drift[rnd]
@@ -115,9 +117,7 @@ class Population:
             clients = self.schedule.arrivals[rnd]
             self.arrive_cb(rnd, clients)
             self.present[clients] = True
-            fed.present = self.candidates(rnd)
-            placed = strategy.on_arrival(rnd, clients, fed)
-            events.append({"kind": "arrival", "round": rnd, "clients": clients.tolist(), **(placed or {})})
+            events.append({"kind": "arrival", "round": rnd, "clients": clients.tolist()})
         return events
 
     # -- checkpoints --------------------------------------------------------------------

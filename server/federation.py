@@ -345,9 +345,12 @@ def run_method(
     with open(out_dir / "metrics.jsonl", "a") as sink:
         for rnd in range(done + 1, rounds + 1):
             r_tic = time.perf_counter()
-            events = population.before_round(rnd, fed, strategy)
+            events = population.before_round(rnd)  # drift applied, newcomers connected
             candidates = np.setdiff1d(population.candidates(rnd), transport.lost_clients())
-            fed.present = candidates
+            fed.present = candidates  # only the server loop sets who is present
+            for event in events:
+                if event["kind"] == "arrival":  # the strategy places its newcomers (FLT: embed, join)
+                    event |= strategy.on_arrival(rnd, np.asarray(event["clients"], dtype=np.int64), fed) or {}
             selected = population.select(rnd, candidates)
             tasks = strategy.train_tasks(rnd, selected)
             trained = fed.train(rnd, tasks, population.delays(rnd, tasks), population.timeout(fed.timeout_s))

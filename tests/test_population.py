@@ -100,9 +100,9 @@ def test_schedule_withholds_a_cluster_and_swaps_without_duplicates():
 
 def test_an_event_reached_without_its_callback_says_which():
     pop = Population(6, 1.0, 0, schedule=Schedule(arrivals={3: np.array([4, 5])}))
-    assert pop.before_round(2, fed=None, strategy=None) == []  # built without it is fine
+    assert pop.before_round(2) == []  # built without it is fine
     with pytest.raises(RuntimeError, match="newcomer event at round 3 but no `arrive` callback"):
-        pop.before_round(3, fed=None, strategy=None)
+        pop.before_round(3)
 
 
 def test_recluster_fires_exactly_when_flags_pass_lambda(tmp_path, monkeypatch):
