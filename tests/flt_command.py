@@ -16,3 +16,9 @@ def flt(*args: str, timeout: float = 900, cwd: Path = REPO) -> subprocess.Comple
     return subprocess.run(
         [sys.executable, "-m", "flt.emulator.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
     )
+
+
+def flt_popen(*args: str, **popen: object) -> subprocess.Popen:
+    """`flt ARGS...` started in the background from the repository, for tests that signal,
+    kill or talk to a running emulator; `popen` goes to subprocess.Popen (pipes, env, ...)."""
+    return subprocess.Popen([sys.executable, "-m", "flt.emulator.cli", *args], cwd=REPO, **popen)  # type: ignore[call-overload]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from flt_command import flt  # tests/ is on sys.path under pytest
+from flt_command import flt, flt_popen  # tests/ is on sys.path under pytest
 
 from flt.models import keys
 from flt.models.wire import Message
@@ -363,28 +363,22 @@ def test_a_run_over_curve_admits_only_allowed_keys_and_matches_the_clean_run(cle
     rogue = subprocess.Popen(
         [*dev, "--key", str(tmp_path / "rogue.key_secret")], cwd=REPO, stderr=subprocess.PIPE, text=True
     )
-    run = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flt.emulator.cli",
-            "run",
-            str(QUICKSTART),
-            *RUN,
-            "--set",
-            "devices.processes=1",
-            "--set",
-            "devices.external=1",
-            "--set",
-            f"devices.bind={endpoint}",
-            "--set",
-            "devices.security=curve",
-            "--set",
-            f"devices.keys={key_dir}",
-            "--out",
-            str(tmp_path / "run"),
-        ],
-        cwd=REPO,
+    run = flt_popen(
+        "run",
+        str(QUICKSTART),
+        *RUN,
+        "--set",
+        "devices.processes=1",
+        "--set",
+        "devices.external=1",
+        "--set",
+        f"devices.bind={endpoint}",
+        "--set",
+        "devices.security=curve",
+        "--set",
+        f"devices.keys={key_dir}",
+        "--out",
+        str(tmp_path / "run"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

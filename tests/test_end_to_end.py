@@ -2,11 +2,10 @@
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from flt_command import flt  # tests/ is on sys.path under pytest
+from flt_command import flt, flt_popen  # tests/ is on sys.path under pytest
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
@@ -119,21 +118,15 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_rounds_done(tmp_path):
     import signal
     import time
 
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flt.emulator.cli",
-            "run",
-            str(QUICKSTART),
-            "--set",
-            "methods=[fedavg]",
-            "--set",
-            "train.rounds=100000",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=REPO,
+    proc = flt_popen(
+        "run",
+        str(QUICKSTART),
+        "--set",
+        "methods=[fedavg]",
+        "--set",
+        "train.rounds=100000",
+        "--out",
+        str(tmp_path),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -162,44 +155,32 @@ def test_a_device_started_by_hand_joins_over_tcp(tmp_path):
     with socket.socket() as s:  # a free port for the server to bind
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    run = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flt.emulator.cli",
-            "run",
-            str(QUICKSTART),
-            "--set",
-            "methods=[fedavg]",
-            "--set",
-            "train.rounds=4",
-            "--set",
-            "devices.processes=1",
-            "--set",
-            "devices.external=1",
-            "--set",
-            f"devices.bind=tcp://127.0.0.1:{port}",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=REPO,
+    run = flt_popen(
+        "run",
+        str(QUICKSTART),
+        "--set",
+        "methods=[fedavg]",
+        "--set",
+        "train.rounds=4",
+        "--set",
+        "devices.processes=1",
+        "--set",
+        "devices.external=1",
+        "--set",
+        f"devices.bind=tcp://127.0.0.1:{port}",
+        "--out",
+        str(tmp_path),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     time.sleep(1.0)
-    by_hand = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flt.emulator.cli",
-            "device",
-            "--connect",
-            f"tcp://127.0.0.1:{port}",
-            "--name",
-            "edge-1",
-        ],
-        cwd=REPO,
+    by_hand = flt_popen(
+        "device",
+        "--connect",
+        f"tcp://127.0.0.1:{port}",
+        "--name",
+        "edge-1",
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

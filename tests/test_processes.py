@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from flt_command import flt_popen
 from test_end_to_end import QUICKSTART, flt  # tests/ is on sys.path under pytest
 
 from flt.emulator import config
@@ -100,20 +101,15 @@ def test_forked_devices_exit_when_the_emulator_is_killed(tmp_path):
     sees its parent go and exits, and each device sees its parent go and exits."""
     import subprocess
 
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flt.emulator.cli",
-            "run",
-            str(QUICKSTART),
-            "--set",
-            "train.rounds=500",
-            "--set",
-            "methods=[fedavg]",
-            "--out",
-            str(tmp_path),
-        ],
+    proc = flt_popen(
+        "run",
+        str(QUICKSTART),
+        "--set",
+        "train.rounds=500",
+        "--set",
+        "methods=[fedavg]",
+        "--out",
+        str(tmp_path),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from flt_command import flt_popen  # tests/ is on sys.path under pytest
 
 from flt.emulator import config
 from flt.models.keys import make_keys
@@ -114,26 +115,20 @@ def test_ray_actors_give_the_local_launchers_results_over_curve(ray_address, tmp
 def test_a_dead_actor_is_a_lost_device_and_the_actors_die_with_the_server(ray_address, tmp_path):
     out = tmp_path / "run"
     with open(tmp_path / "stderr", "w") as err:
-        server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "flt.emulator.cli",
-                "run",
-                str(QUICKSTART),
-                *TINY,
-                "--set",
-                "train.rounds=100000",
-                "--set",
-                "devices.crash={1: 2}",
-                "--set",
-                "devices.launcher=ray",
-                "--set",
-                f"devices.ray_address={ray_address}",
-                "--out",
-                str(out),
-            ],
-            cwd=REPO,
+        server = flt_popen(
+            "run",
+            str(QUICKSTART),
+            *TINY,
+            "--set",
+            "train.rounds=100000",
+            "--set",
+            "devices.crash={1: 2}",
+            "--set",
+            "devices.launcher=ray",
+            "--set",
+            f"devices.ray_address={ray_address}",
+            "--out",
+            str(out),
             stdout=subprocess.DEVNULL,
             stderr=err,
         )
