@@ -30,7 +30,7 @@ import zmq
 from flt.devices import ops
 from flt.devices.trainer import CohortTrainer
 from flt.models.flat import param_spec
-from flt.models.heap import limit_heap_retention
+from flt.models.heap import limit_heap_retention, skip_triton
 from flt.models.keys import Credentials, HandshakeWatch
 from flt.models.nets import build_model
 from flt.models.wire import Message, ProtocolError, decode, encode
@@ -354,6 +354,7 @@ def main(argv=None) -> int:
     p.add_argument("--key", help="this device's NAME.key_secret (from `flt keys`): CURVE")
     p.add_argument("--server-key", help="the server's server.key (from `flt keys`)")
     a = p.parse_args(argv)
+    skip_triton()  # before the first vmap imports torch._dynamo (models/heap.py)
     limit_heap_retention()  # a device lives for the whole run: freed buffers go back to the system
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
     return Device(

@@ -101,6 +101,11 @@ def main(argv=None) -> int:
         return guarded(lambda: _keys(args))
     if args.cmd == "report":
         return guarded(lambda: _report(args))
+    # run, compare, relate, suite: devices are forked from a copy of this process made
+    # now, before any thread exists, so that torch's pages are shared (emulator/zygote.py)
+    from flt.emulator.processes import fork_here
+
+    fork_here()
     if args.cmd == "suite":
         return _suite(args)
     return _run(args)

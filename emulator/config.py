@@ -112,9 +112,9 @@ DEVICES = {
     "start": Field(
         str,
         "forkserver",
-        "how local device processes start: forkserver (forked from one process that has "
-        "imported torch, so those pages are shared: about 270 MB less per device) or exec "
-        "(a fresh `python -m flt.devices` each)",
+        "how local device processes start: forkserver (forked from one copy of the emulator "
+        "made before the run, which has imported torch: those pages are shared, about 350 MB "
+        "less per device) or exec (a fresh `python -m flt.devices` each)",
         choices=("forkserver", "exec"),
     ),
     "ray_address": Field(

@@ -1,16 +1,16 @@
 """Starting, watching and stopping the device processes on this machine.
 
-By default (`devices.start: forkserver`) device processes are forked from one server
+By default (`devices.start: forkserver`) device processes are forked from one zygote
 process that has already imported torch, onnxruntime and the device program: the pages
-those imports filled (about 270 MB per process with a CUDA build of torch) are then
-shared copy-on-write instead of being loaded again by every device. `exec` starts each
+those imports filled (about 350 MB per process with a CUDA build of torch) are then
+shared copy-on-write instead of being filled again by every device (emulator/zygote.py). `exec` starts each
 device as a fresh `python -m flt.devices`, as a device on another host is started.
 """
 
 from __future__ import annotations
 
-import gc
-import multiprocessing
+import atexit
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,67 +18,59 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from flt.emulator.zygote import Zygote, preload
 from flt.scenarios.errors import DeviceError
 from flt.server.transport import Transport
 
-# what the fork server imports once, before it forks any device
-PRELOAD = ["torch", "onnxruntime", "sklearn.cluster", "flt.devices.device", "flt.devices.ops"]
 START_METHODS = ("forkserver", "exec")
+_zygote: Zygote | None = None
 
 
-def _run_device(argv: list[str], env: dict[str, str], log: str) -> None:
-    """A forked device's first steps: its own session (Ctrl-C reaches the emulator, which
-    shuts devices down in order), its log file as stdout and stderr, its environment."""
-    gc.freeze()  # the preloaded objects: a collection would write to every page they share
-    os.setsid()
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    os.environ.update(env)
-    from flt.devices.device import main
+def fork_here() -> None:
+    """Make this process the template of its devices: import what a device needs, then
+    fork the zygote now, before the run starts any thread (the `flt` command calls it
+    first thing). Without it, the first fleet spawns a fresh zygote."""
+    global _zygote
+    if _zygote is None and hasattr(os, "fork"):
+        preload()
+        _zygote = Zygote.fork_here()
+        atexit.register(_zygote.close)
 
-    sys.exit(main(argv))
+
+def zygote() -> Zygote:
+    global _zygote
+    if _zygote is None or _zygote.ended:
+        _zygote = Zygote.spawn()
+        atexit.register(_zygote.close)
+    return _zygote
 
 
 class ForkedDevice:
-    """A device forked by the fork server, with the part of Popen's interface the fleet uses."""
+    """A device forked by the zygote, with the part of Popen's interface the fleet uses."""
 
-    def __init__(self, proc: multiprocessing.process.BaseProcess):
-        self.proc = proc
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid
+    def __init__(self, parent: Zygote, pid: int, name: str):
+        self.parent, self.pid, self.name = parent, pid, name
 
     @property
     def returncode(self) -> int | None:
-        return self.proc.exitcode
+        return self.parent.exit_code(self.pid)
 
     def poll(self) -> int | None:
-        return self.proc.exitcode
+        return self.parent.exit_code(self.pid)
 
     def wait(self, timeout: float | None = None) -> int:
-        self.proc.join(timeout)
-        if self.proc.exitcode is None:
-            raise subprocess.TimeoutExpired(f"device {self.proc.name}", timeout or 0)
-        return self.proc.exitcode
+        code = self.parent.exit_code(self.pid, timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(f"device {self.name}", timeout or 0)
+        return code
 
     def send_signal(self, sig: int) -> None:
-        if self.proc.exitcode is None and self.proc.pid is not None:
-            os.kill(self.proc.pid, sig)
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def kill(self) -> None:
-        self.proc.kill()
-
-
-def fork_context() -> multiprocessing.context.BaseContext | None:
-    """The fork server's context (started on first use), or None where there is none (Windows)."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return None
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
+        self.send_signal(signal.SIGKILL)
 
 
 class DeviceFleet:
@@ -99,7 +91,7 @@ class DeviceFleet:
         self.endpoint, self.log_dir, self.threads = endpoint, log_dir, threads
         self.enroll = enroll  # name -> the credentials (env vars) that alone get that name
         self.crash = crash or {}  # device index -> round at which it dies (fault injection)
-        self.forks = fork_context() if start == "forkserver" else None
+        self.forks = zygote() if start == "forkserver" and hasattr(os, "fork") else None
         self.procs: dict[str, subprocess.Popen | ForkedDevice] = {}
         self.retired: dict[str, int | None] = {}
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -120,9 +112,7 @@ class DeviceFleet:
         env = {"OMP_NUM_THREADS": str(self.threads), **self.enroll(name)}
         log = self.log_dir / f"{name}.log"
         if self.forks is not None:
-            proc = self.forks.Process(target=_run_device, args=(argv, env, str(log)), name=name, daemon=True)  # type: ignore[attr-defined]
-            proc.start()
-            return ForkedDevice(proc)
+            return ForkedDevice(self.forks, self.forks.start(argv, env, str(log)), name)
         # the child keeps its own copy of the log's descriptor; ours closes when the block ends
         with open(log, "w") as logf:
             # own process group: Ctrl-C reaches the emulator, which shuts devices down in order

@@ -1,4 +1,10 @@
-"""Keep a long-lived process's heap from holding on to memory it has freed.
+"""Keep a long-lived process's memory to what it uses.
+
+Triton: torch.func's first vmap imports torch._dynamo, which imports triton (about
+70 MB of mapped library per process) only to learn whether it could compile kernels.
+This project never compiles (no torch.compile), so `skip_triton` marks it absent.
+
+The heap:
 
 glibc raises its mmap threshold each time a large block is freed, so later batches and
 model copies of up to 32 MB come from the heap, whose freed middle is never returned to
@@ -11,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import sys
 
 log = logging.getLogger("flt.heap")
 
@@ -34,3 +41,8 @@ def limit_heap_retention(mmap_threshold: int = 256 * 1024, trim_threshold: int =
     if not ok:
         log.debug("mallopt refused a setting; the heap keeps glibc's defaults")
     return ok
+
+
+def skip_triton() -> None:
+    """Make `import triton` fail fast in this process (see above); call before torch._dynamo."""
+    sys.modules.setdefault("triton", None)  # type: ignore[arg-type]

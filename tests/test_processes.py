@@ -1,4 +1,4 @@
-"""Local device processes: forked from the fork server (the default) or executed afresh,
+"""Local device processes: forked from the zygote (the default) or executed afresh,
 with the same results either way; and the heap setting every long-lived process applies."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from flt_command import flt_popen
+from flt_command import fedavg_running
 from test_end_to_end import QUICKSTART, flt  # tests/ is on sys.path under pytest
 
 from flt.emulator import config
@@ -34,7 +34,7 @@ def test_forked_devices_run_in_sessions_of_their_own_and_are_watched(tmp_path):
         assert fleet.wait(transport, 60) == names
         pids = [fleet.procs[n].pid for n in names]
         assert all(os.getsid(p) == p for p in pids)  # Ctrl-C at the terminal reaches the emulator only
-        assert len({_parent(p) for p in pids}) == 1 and _parent(pids[0]) != os.getpid()  # the fork server's
+        assert len({_parent(p) for p in pids}) == 1 and _parent(pids[0]) != os.getpid()  # the zygote's
         assert all((tmp_path / "logs" / f"{n}.log").is_file() for n in names)
         os.kill(pids[0], signal.SIGKILL)
         deadline = time.monotonic() + 10
@@ -97,28 +97,11 @@ def _running(pid: int) -> bool:
 @pytest.mark.slow  # one quickstart start-up
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_forked_devices_exit_when_the_emulator_is_killed(tmp_path):
-    """No orphans: SIGKILL gives the emulator no chance to stop its devices; the fork server
-    sees its parent go and exits, and each device sees its parent go and exits."""
-    import subprocess
-
-    proc = flt_popen(
-        "run",
-        str(QUICKSTART),
-        "--set",
-        "train.rounds=500",
-        "--set",
-        "methods=[fedavg]",
-        "--out",
-        str(tmp_path),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    metrics, deadline = tmp_path / "fedavg" / "metrics.jsonl", time.monotonic() + 300
-    while not metrics.exists() or not metrics.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, "the run never reached round 1"
-        time.sleep(0.05)
+    """No orphans: SIGKILL gives the emulator no chance to stop its devices; the zygote
+    sees its parent go and exits, and each device sees the emulator go and exits."""
+    proc = fedavg_running(tmp_path)
     family = _descendants(proc.pid)
-    assert len(family) >= 3  # the fork server and 2 devices (and multiprocessing's resource tracker)
+    assert len(family) >= 3  # the zygote and 2 devices
     proc.kill()
     proc.wait(timeout=30)
     deadline = time.monotonic() + 30

@@ -1,0 +1,67 @@
+"""The zygote that local devices are forked from: exit codes come back through it, it ends
+when the emulator's end of its socket closes, and under `flt` it is a copy of the emulator."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from flt_command import fedavg_running
+
+from flt.emulator.zygote import Zygote
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+
+
+def test_exit_codes_come_back_through_the_zygote(tmp_path):
+    zygote = Zygote.spawn()
+    try:
+        bad = zygote.start(["--no-such-option"], {}, str(tmp_path / "bad.log"))
+        assert zygote.exit_code(bad, timeout=60) == 2  # argparse's usage error
+        assert "required: --connect" in (tmp_path / "bad.log").read_text()  # the log is its stderr
+        # a device with nobody to talk to waits for its server: killed, it reports the signal
+        args = ["--connect", "tcp://127.0.0.1:9", "--parent-pid", str(os.getpid())]
+        waiting = zygote.start(args, {"OMP_NUM_THREADS": "1"}, str(tmp_path / "wait.log"))
+        assert zygote.exit_code(waiting, timeout=1) is None
+        assert os.getsid(waiting) == waiting  # a session of its own: Ctrl-C is not its to get
+        os.kill(waiting, signal.SIGKILL)
+        assert zygote.exit_code(waiting, timeout=60) == -signal.SIGKILL
+    finally:
+        zygote.close()
+    assert zygote.proc is not None and zygote.proc.returncode == 0  # it ended at EOF
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_under_flt_the_zygote_is_a_fork_of_the_emulator(tmp_path):
+    """Forked, not executed: the zygote runs the emulator's own program (its command line is
+    the emulator's), so torch's pages are the server's too; devices are its children."""
+    proc = fedavg_running(tmp_path)
+    try:
+        kids = _children(proc.pid)
+        assert len(kids) == 1, kids  # the zygote alone: no fork server, no resource tracker
+        (zygote,) = kids
+        assert _cmdline(zygote) == _cmdline(proc.pid)
+        assert len(_children(zygote)) == 2  # the quickstart's two devices
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
