@@ -147,6 +147,33 @@ SUITE = [
         )
         for c in (3, 5, 10)
     ],
+    # few samples per client: the ablation's M = 500 (87 images each), and IID clients of
+    # every dataset, where one cluster is right (k-means artefacts are all there is)
+    Case("mnist-s2-m500-enc1", "mnist", {**S2, "clients": 500, "samples_per_client": 87}, ENC_FEMNIST),
+    Case(
+        "mnist-iid-m500",
+        "mnist",
+        {"kind": "dirichlet", "clients": 500, "alpha": 100.0, "samples_per_client": 87},
+        ENC_FEMNIST,
+        note="no structure: one cluster is right",
+    ),
+    Case(
+        "fmnist-iid-a100",
+        "fashion_mnist",
+        {"kind": "dirichlet", "clients": 100, "alpha": 100.0, "samples_per_client": 500},
+        ENC_PUBLIC,
+        public_fraction=0.1,
+        note="no structure: one cluster is right",
+    ),
+    Case(
+        "cifar10-iid-a100",
+        "cifar10_jpg",
+        {"kind": "dirichlet", "clients": 100, "alpha": 100.0, "samples_per_client": 450},
+        ENC_PUBLIC,
+        root=str(DATA / "cifar10-jpg"),
+        public_fraction=0.1,
+        note="no structure: one cluster is right",
+    ),
     Case(
         "mnist-dirichlet-a0.1",
         "mnist",
@@ -166,6 +193,7 @@ SUITE = [
         "mnist",
         {"kind": "dirichlet", "clients": 100, "alpha": 100.0, "samples_per_client": 500},
         ENC_FEMNIST,
+        (0, 1),
         note="no structure: one cluster is right",
     ),
     Case(
@@ -194,7 +222,12 @@ def variants():
         "embedding, chamfer, average, gap": R(choose="gap"),
         "embedding, chamfer, average, silhouette without slack": R(silhouette_slack=0.0),
         "embedding, chamfer, complete, silhouette": R(linkage="complete"),
-        "set: embedding, chamfer, average, silhouette (default)": fcr.PRESETS["set"],
+        "set, silhouette floor 0.35, no separation (the default until Nov 2026)": R(
+            min_silhouette=0.35, min_separation=0.0
+        ),
+        "set, separation 0.13": R(min_separation=0.13),
+        "set, separation 0.20": R(min_separation=0.20),
+        "set: embedding, chamfer, average, silhouette, separation 0.16 (default)": fcr.PRESETS["set"],
     }
 
 

@@ -10,11 +10,23 @@ paper   (the FLT paper's Algorithm 2, steps 3-4)
 set     (the default: no threshold, no per-dataset knob)
     A_ij = symmetric Chamfer distance between the two clients' centroid *sets* in the
     encoder's own e-dim space:  (mean_r min_s d_rs + mean_s min_r d_rs) / 2;
-    average linkage on A; C by the silhouette of A (C = 1 when no cut reaches
-    `min_silhouette`; near-ties, within `silhouette_slack`, go to the finer cut).
-    Average linkage and the silhouette are invariant to scaling A, so nothing depends
-    on the data's units; a whole-set distance is not fooled by one shared class the way
-    the closest pair is.
+    average linkage on A; C by the silhouette of A (near-ties, within
+    `silhouette_slack`, go to the finer cut); C = 1 unless that cut's clusters are
+    `min_separation` apart (below). Average linkage, the silhouette and the separation
+    are invariant to scaling A, so nothing depends on the data's units; a whole-set
+    distance is not fooled by one shared class the way the closest pair is.
+
+Is there structure at all? The separation of a cut is
+    (mean A between clusters - mean A within clusters) / median distance between two centroids,
+how far apart the clusters' clients are, in units of the typical distance between two
+of the encoder's modes (mostly different classes). Clients of different planted groups
+differ by whole classes; clients drawn from one distribution differ only by k-means
+artefacts (which classes one client's k centroids merge) and sampling noise. A
+silhouette floor mixes up the two when clients hold few samples: noise lowers the
+silhouette of real clusters (0.24 with 87 images per client) while artefacts give IID
+clients 0.34 to 0.44. The separation does not: 0.07 to 0.13 for IID clients of four
+datasets, 0.20 and more for every planted grouping the embedding separates
+(benchmarks/bench_fcr_quality.py).
 
 Clients may send different numbers of centroids (k: auto); padding is masked, never
 counted. Everything is vectorized (torch.cdist in row chunks): 2,400 clients take seconds.
@@ -27,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from scipy.cluster.hierarchy import fcluster, leaves_list, linkage
-from scipy.spatial.distance import squareform
+from scipy.spatial.distance import pdist, squareform
 from sklearn.metrics import silhouette_score
 
 SPACES = ("embedding", "umap")
@@ -45,9 +57,10 @@ class Relatedness:
     linkage: str = "average"
     choose: str = "silhouette"
     gamma: float | None = None
-    # Measured on the FCR quality suite (benchmarks/README.md): planted clusters that were
-    # found scored 0.37-0.74; IID clients (nothing to find) 0.34, k-means artefacts.
-    min_silhouette: float = 0.35
+    # Measured on the FCR quality suite (benchmarks/README.md): IID clients of four
+    # datasets 0.07-0.13; every planted grouping the embedding separates 0.20-0.57.
+    min_separation: float = 0.16
+    min_silhouette: float = 0.0
     silhouette_slack: float = 0.02
 
     def __post_init__(self):
@@ -75,6 +88,7 @@ class Clustering:
     linkage: np.ndarray  # scipy linkage matrix
     n_clusters: int
     silhouette: float | None  # of the chosen cut on A (None for C = 1)
+    separation: float | None = None  # of the best cut, whether it was kept or not (module docstring)
 
 
 def umap_project(
@@ -192,19 +206,34 @@ def relate(
     else:
         z = linkage(squareform(adj, checks=False), method=how.linkage)
     cap = max(1, min(max_clusters, m - 1))
-    if n_clusters == "auto":
-        c = (
-            gap_clusters(z, cap)
-            if how.choose == "gap"
-            else silhouette_clusters(z, adj, cap, how.min_silhouette, how.silhouette_slack)
-        )
-    else:
+    gap = None
+    if n_clusters != "auto":
         c = max(1, min(int(n_clusters), m))
+    elif how.choose == "gap":
+        c = gap_clusters(z, cap)
+    else:
+        c = silhouette_clusters(z, adj, cap, how.min_silhouette, how.silhouette_slack)
+        if c > 1:
+            gap = separation(adj, fcluster(z, c, criterion="maxclust") - 1, points)
+            c = c if gap >= how.min_separation else 1
     labels = _canonical(fcluster(z, c, criterion="maxclust") - 1)
     c = int(labels.max() + 1)
     if graph is None:
         graph = cluster_graph(labels)
-    return Clustering(labels, adj, graph, z, c, _silhouette(adj, labels))
+    return Clustering(labels, adj, graph, z, c, _silhouette(adj, labels), gap)
+
+
+def separation(adj: np.ndarray, labels: np.ndarray, points: list[np.ndarray], sample: int = 2000) -> float:
+    """(mean A between clusters - mean A within) / the median distance between two of all
+    clients' points (every n-th point when there are more than `sample`: deterministic)."""
+    same = labels[:, None] == labels[None, :]
+    np.fill_diagonal(same, False)
+    differ = labels[:, None] != labels[None, :]
+    within = adj[same].mean() if same.any() else 0.0
+    pooled = np.concatenate(points)
+    pooled = pooled[:: max(1, len(pooled) // sample)]
+    scale = float(np.median(pdist(pooled.astype(np.float64)))) if len(pooled) > 1 else 0.0
+    return float((adj[differ].mean() - within) / scale) if scale > 0 else 0.0
 
 
 def _silhouette(adj: np.ndarray, labels: np.ndarray) -> float | None:
@@ -216,8 +245,7 @@ def _silhouette(adj: np.ndarray, labels: np.ndarray) -> float | None:
 
 def silhouette_clusters(z: np.ndarray, adj: np.ndarray, max_clusters: int, floor: float, slack: float = 0.0) -> int:
     """The largest C in 2..max_clusters whose silhouette of A is within `slack` of the
-    best; 1 when no cut reaches `floor` (no real structure: every client is related to
-    every other). Near-ties go to the finer cut because merging two different clusters
+    best; 1 when no cut reaches `floor`. Near-ties go to the finer cut because merging two different clusters
     costs both their accuracy, while splitting one only costs it some data."""
     scores = {}
     for c in range(2, max_clusters + 1):

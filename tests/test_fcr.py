@@ -65,6 +65,7 @@ def test_the_default_pipeline_does_not_depend_on_the_data_scale(scale):
     assert adjusted_rand_score(truth, got.labels) == 1.0
     np.testing.assert_array_equal(got.labels, ref.labels)
     assert got.silhouette == pytest.approx(ref.silhouette)
+    assert got.separation == pytest.approx(ref.separation)
 
 
 def test_a_fixed_gamma_is_scale_dependent_which_is_why_it_is_not_the_default():
@@ -87,12 +88,56 @@ def test_rings_of_shared_classes_are_separated_by_whole_set_distance():
 
 
 def test_clients_without_structure_form_one_cluster():
+    # IID: every client holds every class; its centroids differ from another's by noise
+    rng = np.random.default_rng(5)
+    centres = rng.normal(size=(10, 16)) * 3
+    sets = [centres + 0.25 * rng.normal(size=(10, 16)) for _ in range(40)]
+    got = fcr.relate(sets, fcr.PRESETS["set"])
+    assert got.n_clusters == 1
+    assert got.graph.all()  # everyone related to everyone: Case I becomes FedAvg
+
+
+def test_clients_that_hold_different_classes_are_grouped_by_them():
+    """No planted groups, but clients hold random halves of the classes (label skew, as
+    with a Dirichlet alpha of 0.1): they differ by whole classes, so FCR groups clients
+    with similar halves instead of calling them one population."""
     rng = np.random.default_rng(5)
     centres = rng.normal(size=(10, 16)) * 3
     sets = [centres[rng.choice(10, 5, replace=False)] + 0.25 * rng.normal(size=(5, 16)) for _ in range(40)]
     got = fcr.relate(sets, fcr.PRESETS["set"])
+    assert got.n_clusters > 1 and got.separation >= fcr.PRESETS["set"].min_separation
+    same = got.labels[:, None] == got.labels[None, :]
+    np.fill_diagonal(same, False)
+    assert got.distance[same].mean() < got.distance[got.labels[:, None] != got.labels[None, :]].mean()
+
+
+def test_noisy_clusters_are_found_though_their_silhouette_is_low():
+    """Few samples per client make every centroid noisy: the planted groups are still
+    whole classes apart, but their silhouette falls below any fixed floor (0.24 here, as
+    with 87 MNIST images per client), so a floor would call them one cluster."""
+    sets, truth = planted(n_clients=200, classes=3, shared=1, seed=3, spread=2.5)
+    got = fcr.relate(sets, fcr.PRESETS["set"])
+    assert got.n_clusters == 5
+    assert adjusted_rand_score(truth, got.labels) == 1.0
+    assert got.silhouette is not None and got.silhouette < 0.3
+    assert got.separation is not None and got.separation >= fcr.PRESETS["set"].min_separation
+
+
+def test_a_negligible_difference_is_no_cluster_however_clean():
+    """IID clients that differ only in how one of their k centroids came out (k-means
+    merged other classes): two tight groups, a high silhouette, but a difference far
+    below the distance between classes. One cluster."""
+    rng = np.random.default_rng(11)
+    centres = rng.normal(size=(5, 16)) * 3
+    shift = np.zeros((5, 16))
+    shift[4, 0] = 0.5
+    sets = [centres + (i % 2) * shift + 0.01 * rng.normal(size=(5, 16)) for i in range(40)]
+    two = fcr.relate(sets, fcr.PRESETS["set"], n_clusters=2)
+    assert two.silhouette is not None and two.silhouette > 0.5  # above any floor ever used
+    got = fcr.relate(sets, fcr.PRESETS["set"])
     assert got.n_clusters == 1
-    assert got.graph.all()  # everyone related to everyone: Case I becomes FedAvg
+    assert got.separation is not None and got.separation < 0.05
+    assert got.graph.all()
 
 
 def test_a_given_number_of_clusters_is_respected():

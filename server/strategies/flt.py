@@ -138,10 +138,18 @@ RELATEDNESS = {
         min=0,
         open_min=True,
     ),
+    "min_separation": Field(
+        float,
+        0.16,
+        "with choose_clusters silhouette: the best cut's clusters must be this far apart "
+        "(mean distance between clusters minus within, over the median distance between two "
+        "centroids), else the clients form one cluster (no structure)",
+        min=0.0,
+    ),
     "min_silhouette": Field(
         float,
-        0.35,
-        "with choose_clusters silhouette: below this best score the clients form one cluster (no structure)",
+        0.0,
+        "with choose_clusters silhouette: below this best score the clients form one cluster",
         min=-1.0,
         max=1.0,
     ),
@@ -234,6 +242,7 @@ class FLT(Strategy):
         }
         return replace(
             base,
+            min_separation=params["min_separation"],
             min_silhouette=params["min_silhouette"],
             silhouette_slack=params["silhouette_slack"],
             **{k: v for k, v in over.items() if v is not None},
@@ -341,6 +350,7 @@ class FLT(Strategy):
             "clusters": found.n_clusters,
             "gamma": how.gamma,
             "silhouette": found.silhouette,
+            "separation": found.separation,
             "pipeline": asdict(how),
             "cluster_sizes": np.bincount(found.labels).tolist(),
             "mean_degree": float(found.graph.sum(1).mean()),
