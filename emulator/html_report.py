@@ -137,6 +137,7 @@ def fcr_rows(run: Run) -> list[dict]:
                     "clusters": r.get("clusters"),
                     "sizes": " ".join(map(str, r.get("cluster_sizes", []))),
                     "silhouette": r.get("silhouette"),
+                    "separation": r.get("separation"),
                     "ari": r.get("ari"),
                     "nmi": r.get("nmi"),
                 }

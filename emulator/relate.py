@@ -148,6 +148,8 @@ def describe(r: dict) -> str:
         else "no planted clusters to compare with"
     )
     sil = f", silhouette {r['silhouette']:.3f}" if r.get("silhouette") is not None else ""
+    if r.get("separation") is not None:  # of the best cut, kept or not (server/fcr.py)
+        sil += f", separation {r['separation']:.3f}"
     mb = sum(sum(v.values()) for v in r["bytes"].values()) / 1e6
     return (
         f"FCR ({r['method']}): {r['clusters']} clusters of sizes [{sizes}]{sil}\n"
