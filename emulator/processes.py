@@ -171,7 +171,8 @@ class DeviceFleet:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=grace_s)
         self.retired[name] = proc.returncode
 
     def exit_codes(self) -> dict[str, int | None]:

@@ -23,6 +23,7 @@ devices watch the emulator's pid themselves and end when it has gone.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -31,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from flt.models.heap import skip_triton
@@ -62,12 +64,26 @@ class Lines:
             ready, _, _ = select.select([self.sock], [], [], timeout)
             if not ready:
                 return None
-            chunk = self.sock.recv(65536)
+            with _no_interrupt():  # Ctrl-C between recv and += would lose a report
+                chunk = self.sock.recv(65536)
+                self.buf += chunk
             if not chunk:
                 raise EOFError
-            self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
         return json.loads(line)
+
+
+@contextlib.contextmanager
+def _no_interrupt():
+    """SIGINT held back (delivered on exit) where the main thread must not be interrupted."""
+    main = threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask")
+    if main:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        if main:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _exit_code(status: int) -> int:
@@ -207,15 +223,22 @@ class Zygote:
             self.codes[int(msg["exited"])] = int(msg["code"])
         return msg
 
-    def close(self) -> None:
-        self.sock.close()  # the zygote exits at EOF
-        try:
-            if self.proc is not None:
-                self.proc.wait(timeout=5)
-            else:
-                os.waitpid(self.pid, 0)
-        except (ChildProcessError, subprocess.TimeoutExpired):
-            pass
+    def close(self, grace_s: float = 5.0) -> int | None:
+        """Close the socket (the zygote exits at EOF); kill a zygote that has not exited
+        within grace_s. Its exit code, negative when killed; None if already reaped."""
+        self.sock.close()
+        deadline, status = time.monotonic() + grace_s, None
+        with contextlib.suppress(ChildProcessError):
+            while (reaped := os.waitpid(self.pid, os.WNOHANG))[0] == 0:
+                if time.monotonic() > deadline:
+                    os.kill(self.pid, signal.SIGKILL)
+                    reaped = os.waitpid(self.pid, 0)
+                    break
+                time.sleep(0.02)
+            status = _exit_code(reaped[1])
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.returncode = status  # reaped here: Popen must not wait for it again
+        return status
 
 
 if __name__ == "__main__":  # Zygote.spawn(): a fresh interpreter serving on the passed socket

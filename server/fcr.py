@@ -11,7 +11,8 @@ set     (the default: no threshold, no per-dataset knob)
     A_ij = symmetric Chamfer distance between the two clients' centroid *sets* in the
     encoder's own e-dim space:  (mean_r min_s d_rs + mean_s min_r d_rs) / 2;
     average linkage on A; C by the silhouette of A (near-ties, within
-    `silhouette_slack`, go to the finer cut); C = 1 unless that cut's clusters are
+    `silhouette_slack`, go to the finer cut; a lone client joins its nearest cluster,
+    since a cluster of one would train alone); C = 1 unless that cut's clusters are
     `min_separation` apart (below). Average linkage, the silhouette and the separation
     are invariant to scaling A, so nothing depends on the data's units; a whole-set
     distance is not fooled by one shared class the way the closest pair is.
@@ -213,10 +214,12 @@ def relate(
         c = gap_clusters(z, cap)
     else:
         c = silhouette_clusters(z, adj, cap, how.min_silhouette, how.silhouette_slack)
-        if c > 1:
-            gap = separation(adj, fcluster(z, c, criterion="maxclust") - 1, points)
-            c = c if gap >= how.min_separation else 1
-    labels = _canonical(fcluster(z, c, criterion="maxclust") - 1)
+    cut = fcluster(z, c, criterion="maxclust") - 1
+    if n_clusters == "auto" and how.choose == "silhouette" and c > 1:
+        cut = fold_singletons(cut, adj)
+        gap = separation(adj, cut, points) if cut.max() > 0 else 0.0
+        cut = cut if gap >= how.min_separation else np.zeros(m, np.int64)
+    labels = _canonical(cut)
     c = int(labels.max() + 1)
     if graph is None:
         graph = cluster_graph(labels)
@@ -245,8 +248,8 @@ def _silhouette(adj: np.ndarray, labels: np.ndarray) -> float | None:
 
 def silhouette_clusters(z: np.ndarray, adj: np.ndarray, max_clusters: int, floor: float, slack: float = 0.0) -> int:
     """The largest C in 2..max_clusters whose silhouette of A is within `slack` of the
-    best; 1 when no cut reaches `floor`. Near-ties go to the finer cut because merging two different clusters
-    costs both their accuracy, while splitting one only costs it some data."""
+    best; 1 when no cut reaches `floor`. Near-ties go to the finer cut because merging two
+    different clusters costs both their accuracy, while splitting one only costs it some data."""
     scores = {}
     for c in range(2, max_clusters + 1):
         score = _silhouette(adj, fcluster(z, c, criterion="maxclust") - 1)
@@ -256,6 +259,22 @@ def silhouette_clusters(z: np.ndarray, adj: np.ndarray, max_clusters: int, floor
         return 1
     best = max(scores.values())
     return max(c for c, score in scores.items() if score >= best - slack)
+
+
+def fold_singletons(labels: np.ndarray, adj: np.ndarray) -> np.ndarray:
+    """A cluster of one client is an outlier, not a group: alone it would train on its own
+    data only (Local), which is what federating is for avoiding. Each lone client joins the
+    cluster whose members are nearest on average, as a newcomer does."""
+    sizes = np.bincount(labels)
+    groups = np.flatnonzero(sizes > 1)
+    lone = sizes[labels] == 1
+    if not lone.any() or len(groups) == 0:
+        return labels
+    member = (labels[:, None] == groups[None, :]).astype(adj.dtype)  # [M, groups]
+    mean_to = (adj @ member) / sizes[groups]
+    out = labels.copy()
+    out[lone] = groups[mean_to[lone].argmin(1)]
+    return np.unique(out, return_inverse=True)[1]
 
 
 def gap_clusters(z: np.ndarray, max_clusters: int) -> int:

@@ -140,6 +140,33 @@ def test_a_negligible_difference_is_no_cluster_however_clean():
     assert got.graph.all()
 
 
+def test_a_lone_client_joins_its_nearest_group_instead_of_training_alone():
+    sets, truth = planted(n_clients=60, seed=4)
+    outlier = sets[0] + 40.0  # far from every class: the dendrogram's last merge
+    alone = fcr.relate([outlier, *sets[1:]], fcr.PRESETS["set"], n_clusters=6)
+    assert np.bincount(alone.labels).min() == 1  # a cut that separates the groups leaves it alone
+    got = fcr.relate([outlier, *sets[1:]], fcr.PRESETS["set"])
+    assert np.bincount(got.labels).min() > 1  # no cluster of one: it joins a group
+    assert got.n_clusters == 5
+    assert adjusted_rand_score(truth[1:], got.labels[1:]) == 1.0
+
+
+def test_folding_lone_clients_picks_the_cluster_nearest_on_average():
+    adj = np.array(
+        [
+            [0.0, 1.0, 1.0, 5.0, 5.0],
+            [1.0, 0.0, 1.0, 5.0, 5.0],
+            [1.0, 1.0, 0.0, 5.0, 5.0],
+            [5.0, 5.0, 5.0, 0.0, 6.0],
+            [5.0, 5.0, 5.0, 6.0, 0.0],
+        ]
+    )
+    # clients 3 and 4 are each alone; the only group is {0, 1, 2}
+    np.testing.assert_array_equal(fcr.fold_singletons(np.array([0, 0, 0, 1, 2]), adj), [0, 0, 0, 0, 0])
+    two = np.array([0, 0, 1, 1, 2])  # client 4 is nearer to {0, 1} (5) than to {2, 3} (5.5)
+    np.testing.assert_array_equal(fcr.fold_singletons(two, adj), [0, 0, 1, 1, 0])
+
+
 def test_a_given_number_of_clusters_is_respected():
     sets, truth = planted()
     got = fcr.relate(sets, fcr.PRESETS["set"], n_clusters=3)
