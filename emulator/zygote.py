@@ -132,7 +132,7 @@ def _device(argv: list[str], env: dict[str, str], log: str) -> None:
 
         code = main(argv) or 0
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1  # as Python's own exit
     except BaseException:
         import traceback
 
