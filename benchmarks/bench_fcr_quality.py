@@ -88,6 +88,15 @@ def structured(c: int) -> dict:
     }
 
 
+def dirichlet(
+    name: str, dataset: str, alpha: float, clients: int, samples: int, encoder: dict, seeds=(0,), **kw
+) -> Case:
+    """Label skew without planted clusters; alpha 100 is IID, where one cluster is right."""
+    part = {"kind": "dirichlet", "clients": clients, "alpha": alpha, "samples_per_client": samples}
+    note = "no structure: one cluster is right" if alpha >= 100 else "no planted clusters"
+    return Case(name, dataset, part, encoder, seeds, note=note, **kw)
+
+
 SUITE = [
     Case(
         "digits-s1-m20",
@@ -150,52 +159,21 @@ SUITE = [
     # few samples per client: the ablation's M = 500 (87 images each), and IID clients of
     # every dataset, where one cluster is right (k-means artefacts are all there is)
     Case("mnist-s2-m500-enc1", "mnist", {**S2, "clients": 500, "samples_per_client": 87}, ENC_FEMNIST),
-    Case(
-        "mnist-iid-m500",
-        "mnist",
-        {"kind": "dirichlet", "clients": 500, "alpha": 100.0, "samples_per_client": 87},
-        ENC_FEMNIST,
-        note="no structure: one cluster is right",
-    ),
-    Case(
-        "fmnist-iid-a100",
-        "fashion_mnist",
-        {"kind": "dirichlet", "clients": 100, "alpha": 100.0, "samples_per_client": 500},
-        ENC_PUBLIC,
-        public_fraction=0.1,
-        note="no structure: one cluster is right",
-    ),
-    Case(
+    dirichlet("mnist-iid-m500", "mnist", 100.0, 500, 87, ENC_FEMNIST),
+    dirichlet("fmnist-iid-a100", "fashion_mnist", 100.0, 100, 500, ENC_PUBLIC, public_fraction=0.1),
+    dirichlet(
         "cifar10-iid-a100",
         "cifar10_jpg",
-        {"kind": "dirichlet", "clients": 100, "alpha": 100.0, "samples_per_client": 450},
+        100.0,
+        100,
+        450,
         ENC_PUBLIC,
         root=str(DATA / "cifar10-jpg"),
         public_fraction=0.1,
-        note="no structure: one cluster is right",
     ),
-    Case(
-        "mnist-dirichlet-a0.1",
-        "mnist",
-        {"kind": "dirichlet", "clients": 100, "alpha": 0.1, "samples_per_client": 500},
-        ENC_FEMNIST,
-        note="no planted clusters",
-    ),
-    Case(
-        "mnist-dirichlet-a1",
-        "mnist",
-        {"kind": "dirichlet", "clients": 100, "alpha": 1.0, "samples_per_client": 500},
-        ENC_FEMNIST,
-        note="no planted clusters",
-    ),
-    Case(
-        "mnist-iid-a100",
-        "mnist",
-        {"kind": "dirichlet", "clients": 100, "alpha": 100.0, "samples_per_client": 500},
-        ENC_FEMNIST,
-        (0, 1),
-        note="no structure: one cluster is right",
-    ),
+    dirichlet("mnist-dirichlet-a0.1", "mnist", 0.1, 100, 500, ENC_FEMNIST),
+    dirichlet("mnist-dirichlet-a1", "mnist", 1.0, 100, 500, ENC_FEMNIST),
+    dirichlet("mnist-iid-a100", "mnist", 100.0, 100, 500, ENC_FEMNIST, seeds=(0, 1)),
     Case(
         "femnist-writers",
         "femnist",
