@@ -356,7 +356,11 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     skip_triton()  # before the first vmap imports torch._dynamo (models/heap.py)
     limit_heap_retention()  # a device lives for the whole run: freed buffers go back to the system
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
+    # force: a device forked from the emulator inherits its root logger (WARNING level), which
+    # would silence this log
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s", force=True
+    )
     return Device(
         a.connect, a.name, a.data_root, a.threads, a.parent_pid, a.crash_at_round, Credentials.load(a.key, a.server_key)
     ).run()

@@ -40,6 +40,7 @@ def test_fedavg_learns_over_three_device_processes(fedavg_run):
     assert m["final_accuracy"] > 30.0, m  # chance is 10 % on ten digits
     logs = sorted(p.name for p in (out / "logs").iterdir())
     assert logs == ["dev-0.log", "dev-1.log", "dev-2.log"]
+    assert "dev-0: hosting" in (out / "logs" / "dev-0.log").read_text()  # each device logs what it does
     assert all(code == 0 for code in summary(out)["timing"]["device_exit_codes"].values())
     assert "round   8/8" in res.stdout
 
