@@ -119,6 +119,10 @@ class Transport:
         self.client_device: dict[int, str] = {}  # client id -> device name
         self.lost_devices: set[str] = set()
         self.batches = itertools.count(1)
+        # the emulator's own exchanges (checkpoint snapshots) count down from -2, apart from
+        # the method's ids (-1 marks an error reply without one): how often a run checkpoints
+        # must not shift the ids, whose digits are in every billed header
+        self.own_batches = itertools.count(-2, -1)
         self.alive: Callable[[str], bool] = lambda name: True
         self.rejections = Rejections()  # the whole run's; the ledger's are per method
         self._logged_at: dict[str, float] = {}  # reason -> when its last summary line was logged
@@ -265,6 +269,7 @@ class Transport:
         timeout_s: float,
         on_reply: Callable[[int, Message], None] | None = None,
         check: Callable[[int, Message], tuple[str, str] | None] | None = None,
+        own: bool = False,
     ) -> dict[int, Message]:
         """Send one message per client, collect one reply per client.
 
@@ -273,8 +278,9 @@ class Transport:
         that came before the deadline; clients whose device died or timed out are logged
         and left out. `check(client, reply)` returns (reason, detail) for a reply whose
         content the server knows is wrong: it is rejected like a malformed one, and its
-        client left out."""
-        batch = next(self.batches)
+        client left out. `own`: an exchange of the emulator's, not of the method (its batch
+        ids come from a sequence of their own)."""
+        batch = next(self.own_batches if own else self.batches)
         by_device: dict[str, list[int]] = defaultdict(list)
         for cid in tasks:
             by_device[self.client_device[cid]].append(cid)

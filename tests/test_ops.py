@@ -191,3 +191,14 @@ def test_one_round_names_one_training_op(served_device):
         ValueError, match=r"round 1: one round's tasks name one device op, not \['train', 'train_best'\]"
     ):
         _fed(server).train(1, {4: Task(w0[None]), 7: Task(w0[None], op="train_best")})
+
+
+def test_a_checkpoint_snapshot_takes_no_batch_id_of_the_method(served_device):
+    """How often a run checkpoints must not change its results: batch ids are in every
+    billed header, so the snapshot that gathers device-held models uses ids of its own."""
+    server, dev, w0 = served_device
+    fed = _fed(server)
+    fed.train(1, {4: Task(w0[None], op="train_resident", model_back=False)})
+    first, again = fed.state_dict(1), fed.state_dict(1)
+    assert first["batch"] == again["batch"] == 2  # round 1 took id 1; two snapshots took none
+    np.testing.assert_array_equal(again["clients"]["models"][4], dev.resident[4].numpy())

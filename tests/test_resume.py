@@ -22,7 +22,7 @@ from flt.emulator.config import parse_methods
 from flt.emulator.population import Population, Schedule
 from flt.server import checkpoint
 from flt.server.checkpoint import CheckpointError
-from flt.server.federation import split_timing
+from flt.server.federation import CheckpointPacer, split_timing
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context
 from flt.server.transport import Ledger
@@ -272,3 +272,22 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_results(uninterrupted
 def test_resume_needs_a_run_folder(tmp_path):
     res = flt_cli("run", "--resume", str(tmp_path))
     assert res.returncode == 2 and "config.yaml" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_checkpoints_are_paced_to_a_share_of_the_run():
+    """A checkpoint that cost 2 s waits until 20 s have passed since it (share 0.1); cheap
+    ones come every round; the last round is always checkpointed."""
+    now = [0.0]
+    pacer = CheckpointPacer(share=0.1, clock=lambda: now[0])
+
+    def write(seconds):
+        return lambda: now.__setitem__(0, now[0] + seconds)
+
+    pacer.save(write(2.0))  # 0 -> 2 s
+    now[0] = 15.0
+    assert not pacer.due() and pacer.due(final=True)
+    now[0] = 22.0
+    assert pacer.due()
+    pacer.save(write(0.001))
+    now[0] += 0.02
+    assert pacer.due()
