@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     run.add_argument(
         "--resume",
         metavar="RUN_DIR",
-        help="continue a killed run from its last completed round (its config.yaml and "
+        help="continue a killed run from its last checkpoint (its config.yaml and "
         "partition.npz; finished methods are kept)",
     )
 

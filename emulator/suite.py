@@ -165,7 +165,7 @@ def run_suite(paths: list[Path], overrides: list[str], out: Path, display: Displ
             continue
         if isinstance(display, SuiteDisplay):  # rounds in the folders: kept ones included
             display.begin(i, sum(rounds_done(e) for e in entries if e.folder.exists()))
-        display(f"{head}: " + ("resuming after the last completed round" if st == "interrupted" else "starting"))
+        display(f"{head}: " + ("resuming from the last checkpoint" if st == "interrupted" else "starting"))
         tic = time.monotonic()
         try:
             if st == "interrupted":

@@ -4,7 +4,8 @@
 evaluate these models, embed with this encoder) into wire messages through the
 transport, and turns replies back into tensors on the aggregation device.
 `run_method` drives one method for T rounds and streams one JSON line per round. After
-setup and after every round it checkpoints everything the next round depends on (the
+setup, after the last round and, paced (CheckpointPacer), after rounds in between, it
+checkpoints everything the next round depends on (the
 strategy's attributes, the population's state and clock, the byte ledger and what
 devices hold per client), so a killed run resumes with exactly the records an
 uninterrupted one writes. Wall-clock figures live in each record's `timing` object: the

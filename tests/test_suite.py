@@ -167,7 +167,7 @@ def test_suite_runs_skips_the_finished_and_resumes_the_interrupted(tmp_path):
     res = flt("suite", str(folder), "--out", str(out))
     assert res.returncode == 0, res.stderr + res.stdout
     assert "tiny_a (" in res.stdout and "finished before, skipped" in res.stdout
-    assert "tiny_b" in res.stdout and "resuming after the last completed round" in res.stdout
+    assert "tiny_b" in res.stdout and "resuming from the last checkpoint" in res.stdout
     assert "[1/2 tiny_a] [" not in res.stdout  # nothing of tiny_a ran again
     after = json.loads((out / "tiny_b" / "summary.json").read_text())["methods"]
     assert (out / "tiny_b" / "fedavg" / "metrics.jsonl").stat().st_mtime_ns == fedavg_mtime  # kept
