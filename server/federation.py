@@ -395,7 +395,7 @@ def run_method(
     return history
 
 
-CHECKPOINT = "checkpoint.npz"  # in each method's folder: the state after its last round
+CHECKPOINT = "checkpoint.npz"  # in each method's folder: the state after its last checkpointed round
 
 
 class CheckpointPacer:
