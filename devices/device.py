@@ -339,6 +339,17 @@ def _shard(train, test, tr_idx, te_idx) -> Shard:
     return Shard(x, tr, y[tr].long(), xt, te, yt[te].long())
 
 
+def set_process_title(title: str) -> None:
+    """What ps, top and /proc/PID/cmdline show for this process (setproctitle rewrites
+    the argument area; the standard library can set only the 15-character comm name)."""
+    try:
+        import setproctitle
+    except ImportError:  # cosmetic: a host without it still runs (it is a declared dependency)
+        log.debug("setproctitle is not installed; the process keeps its command line as its title")
+        return
+    setproctitle.setproctitle(title)
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -350,6 +361,7 @@ def main(argv=None) -> int:
     p.add_argument("--data-root", help="where this host keeps the dataset (overrides the scenario's)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for this device")
     p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--run", help=argparse.SUPPRESS)  # the emulator's run folder, for the process title
     p.add_argument("--crash-at-round", type=int, help="fault injection: exit when round N's tasks arrive")
     p.add_argument("--key", help="this device's NAME.key_secret (from `flt keys`): CURVE")
     p.add_argument("--server-key", help="the server's server.key (from `flt keys`)")
@@ -361,9 +373,12 @@ def main(argv=None) -> int:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s", force=True
     )
-    return Device(
+    device = Device(
         a.connect, a.name, a.data_root, a.threads, a.parent_pid, a.crash_at_round, Credentials.load(a.key, a.server_key)
-    ).run()
+    )
+    # forked devices would all read as the emulator's own `flt run ...` line in ps and top
+    set_process_title(f"flt device {device.name} ({f'run {a.run}' if a.run else f'server {a.connect}'})")
+    return device.run()
 
 
 if __name__ == "__main__":

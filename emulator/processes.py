@@ -106,6 +106,7 @@ class DeviceFleet:
     def spawn(self, name: str, crash_at_round: int | None = None) -> subprocess.Popen | ForkedDevice:
         argv = ["--connect", self.endpoint, "--name", name, "--threads", str(self.threads)]
         argv += ["--parent-pid", str(os.getpid())]  # a device exits when the emulator has gone
+        argv += ["--run", self.log_dir.parent.name]  # the run folder (logs/ is in it): for its process title
         if crash_at_round is not None:
             argv += ["--crash-at-round", str(crash_at_round)]
         # secrets by environment (same user only), never on the command line (`ps` shows it)

@@ -91,8 +91,12 @@ def _exit_code(status: int) -> int:
 
 
 # -- the zygote's side -----------------------------------------------------------------------
-def serve(sock: socket.socket) -> None:
-    """Fork a device for each request; report every child's exit; end at EOF."""
+def serve(sock: socket.socket, how: str) -> None:
+    """Fork a device for each request; report every child's exit; end at EOF. `how` the
+    zygote came to be, for its process title (ps would show the emulator's command line)."""
+    from flt.devices.device import set_process_title
+
+    set_process_title(f"flt zygote ({how} pid {os.getppid()}, forks its device processes)")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the emulator's to handle
     gc.freeze()  # what exists now is shared with every device: collections must not touch it
     channel = Lines(sock)
@@ -169,7 +173,7 @@ class Zygote:
         if pid == 0:
             ours.close()
             try:
-                serve(theirs)
+                serve(theirs, "a fork of")
             finally:
                 os._exit(1)
         theirs.close()
@@ -243,4 +247,4 @@ class Zygote:
 
 if __name__ == "__main__":  # Zygote.spawn(): a fresh interpreter serving on the passed socket
     preload()
-    serve(socket.socket(fileno=int(sys.argv[1])))
+    serve(socket.socket(fileno=int(sys.argv[1])), "started by")
