@@ -93,7 +93,10 @@ DEVICES = {
         "fault injection: {device index: round} kills that device process when that round's training tasks arrive",
     ),
     "security": Field(
-        str, "auto", "CURVE encryption and device keys; auto: on unless bind is loopback", choices=SECURITY
+        str,
+        "auto",
+        "CURVE encryption and device keys; auto: on unless bind is loopback and devices.external is 0",
+        choices=SECURITY,
     ),
     "keys": Field(
         str,

@@ -24,14 +24,14 @@ from flt.models.nets import build_model
 from flt.models.wire import Message
 from flt.scenarios import partition as part
 from flt.scenarios.datasets import Dataset, load_shared
-from flt.scenarios.errors import DeviceError
+from flt.scenarios.errors import DeviceError, short
 from flt.server import checkpoint
 from flt.server.auth import gate_for
 from flt.server.encoder import image_source
 from flt.server.federation import CHECKPOINT, Federation, run_method
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context
-from flt.server.transport import Transport
+from flt.server.transport import DeviceLost, Transport
 
 
 def make_run_dir(cfg: dict, out: str | None) -> Path:
@@ -137,8 +137,12 @@ def assign_clients(
     timeout_s: float,
     clients: np.ndarray,
 ) -> None:
-    """Give each device a contiguous block of `clients`: their shard indices, never data."""
+    """Give each device a contiguous block of `clients`: their shard indices, never data.
+    A device that cannot take its block (it reports an error, does not answer within the
+    timeout, or says ready for other clients) is lost with its clients, named in the log,
+    and the run goes on without it; with no device left, nobody can train (DeviceError)."""
     blocks = np.array_split(np.asarray(clients, dtype=np.int64), len(devices))
+    expected: dict[str, list[int]] = {}
     for device, block in zip(devices, blocks, strict=True):
         tensors = {"clients": block.astype(np.int64)}
         for name, shards in (("train", partition.train), ("test", partition.test)):
@@ -147,17 +151,38 @@ def assign_clients(
             tensors[f"{name}_idx"] = (np.concatenate(chosen) if chosen else np.zeros(0)).astype(np.int64)
         for c in block:
             transport.client_device[int(c)] = device
-        transport.send(device, Message("assign", meta=meta, tensors=tensors))
-    waiting, deadline = set(devices), time.monotonic() + timeout_s
+        expected[device] = block.tolist()
+        try:
+            transport.send(device, Message("assign", meta=meta, tensors=tensors))
+        except DeviceLost as exc:
+            transport.lose(device, str(exc))
+    failed = _await_ready(transport, {d: c for d, c in expected.items() if d not in transport.lost_devices}, timeout_s)
+    for device, why in failed.items():
+        transport.lose(device, why)
+    if not transport.active_devices():
+        reasons = "; ".join(f"{d}: {why}" for d, why in sorted(failed.items())[:3])
+        raise DeviceError(f"no device could load its clients ({reasons})")
+
+
+def _await_ready(transport: Transport, expected: dict[str, list[int]], timeout_s: float) -> dict[str, str]:
+    """Wait for each device's `ready` naming exactly its clients; returns why each device
+    that did not send one failed."""
+    failed: dict[str, str] = {}
+    waiting, deadline = set(expected), time.monotonic() + timeout_s
     while waiting:
         got = transport.recv(max(0.0, deadline - time.monotonic()))
         if got is None:
-            raise DeviceError(f"devices {sorted(waiting)} did not load their shards within {timeout_s:.0f} s")
+            failed.update({d: f"did not load its clients within {timeout_s:.0f} s" for d in waiting})
+            break
         device, msg = got
+        if device not in waiting or msg.kind not in ("ready", "error"):
+            continue
         if msg.kind == "error":
-            raise DeviceError(f"device {device} could not load its clients: {msg.meta.get('reason')}")
-        if msg.kind == "ready":
-            waiting.discard(device)
+            failed[device] = f"could not load its clients: {short(msg.meta.get('reason'), 300)}"
+        elif msg.meta.get("clients") != expected[device]:
+            failed[device] = f"said ready for clients {short(msg.meta.get('clients'), 60)}, not the ones it was given"
+        waiting.discard(device)
+    return failed
 
 
 class Dynamics:
@@ -317,6 +342,7 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print, resume: bool
             cfg["devices"]["round_timeout_s"],
             ctx.device,
             shard_sizes=lambda c: (len(partition.train[c]), len(partition.test[c])),
+            model_size=init.numel(),
         )
         dynamics = Dynamics(transport, fleet, partition, meta, ctx, cfg, progress)
         for i, spec in enumerate(cfg["methods"]):

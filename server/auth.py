@@ -1,7 +1,9 @@
 """Who may talk to the server, and under which name.
 
 - **CURVE** (ZeroMQ's encryption and authentication, on by default for every bind that is
-  not loopback): pyzmq's ZAP handler admits a connection only if its public key is on the
+  not loopback and for every run that admits devices started by hand, `devices.external`,
+  even on loopback: such a device is a stranger, and a token cannot vouch for it): pyzmq's
+  ZAP handler admits a connection only if its public key is on the
   allowlist, and stamps the key's name on every message of that connection as its
   "User-Id". The server takes a device's name from there, never from what the device says.
   A key that is not allowed gets nothing; such attempts, and handshakes that fail (a
@@ -49,8 +51,9 @@ def is_loopback(endpoint: str) -> bool:
     return LOOPBACK.fullmatch(endpoint) is not None
 
 
-def uses_curve(bind: str, security: str) -> bool:
-    return security == "curve" or (security == "auto" and not is_loopback(bind))
+def uses_curve(bind: str, security: str, external: int = 0) -> bool:
+    """auto: CURVE unless every device is a local process of ours on a loopback bind."""
+    return security == "curve" or (security == "auto" and (external > 0 or not is_loopback(bind)))
 
 
 def security_problem(bind: str, security: str, keys_dir: str | None, external: int) -> str | None:
@@ -61,14 +64,16 @@ def security_problem(bind: str, security: str, keys_dir: str | None, external: i
             f"devices.security: none on {bind}, which is not loopback: anyone who reaches the "
             "port could join; leave it at auto (CURVE)"
         )
-    if not uses_curve(bind, security):
+    if not uses_curve(bind, security, external):
         return None
     if keys_dir and not (Path(keys_dir).expanduser() / f"{keys.SERVER}.key_secret").is_file():
         return f"devices.keys: no {keys.SERVER}.key_secret in {keys_dir} (make keys with `flt keys {keys_dir}`)"
     if external and not keys_dir:
         return (
             f"devices.keys: {external} external device(s) over CURVE need keys: make them with "
-            "`flt keys DIR --devices N` and set devices.keys: DIR"
+            "`flt keys DIR --devices N` and set devices.keys: DIR (devices.security: auto turns CURVE on "
+            "whenever devices.external > 0; on a loopback bind, devices.security: none admits any local "
+            "process instead)"
         )
     return None
 
@@ -78,7 +83,7 @@ def gate_for(bind: str, security: str = "auto", keys_dir: str | None = None, ext
     problem = security_problem(bind, security, keys_dir, external)
     if problem:
         raise FltError(problem)
-    if not uses_curve(bind, security):
+    if not uses_curve(bind, security, external):
         return Gate(curve=False, seats=external)
     if keys_dir:
         return Gate.from_dir(Path(keys_dir).expanduser(), seats=external)

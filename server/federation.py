@@ -36,7 +36,7 @@ from flt.server import checkpoint
 from flt.server.checkpoint import restore_vars
 from flt.server.exchange import Exchange, ExchangeClock, Work
 from flt.server.progress import step
-from flt.server.replies import Check, ShardSizes, centroids_check, metrics_check, update_check
+from flt.server.replies import Check, ShardSizes, centroids_check, metrics_check, state_check, update_check
 from flt.server.reporter import write_artifacts
 from flt.server.strategies.base import Result, Strategy, Task
 from flt.server.transport import Ledger, Transport
@@ -53,9 +53,11 @@ class Federation:
         timeout_s: float,
         device: torch.device,
         shard_sizes: ShardSizes | None = None,
+        model_size: int | None = None,
     ):
         self.transport, self.cfg, self.seed = transport, train_cfg, seed
         self.shard_sizes = shard_sizes  # replies' sample counts and totals are checked against it
+        self.model_size = model_size  # a device-held model in a checkpoint snapshot must have it
         self.timeout_s, self.device = timeout_s, device
         self.method = ""
         self.present = np.zeros(0, dtype=np.int64)  # clients in the population now
@@ -203,12 +205,15 @@ class Federation:
             "events": list(self.events),
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> list[int]:
+        """Put the transport's side back; returns the clients whose device state the
+        checkpoint lacks (they resume with none: no device-held model, no change flag)."""
         self.transport.lost_devices.update(state["lost_devices"])
         self._restore_device_state(state["clients"])
         restore_vars(self.transport, {"ledger": state["ledger"]})
         self.events = list(state.get("events", []))  # set-up's, when killed before round 1
         self.carry_over(state)
+        return [int(c) for c in state["clients"].get("missing", [])]
 
     def carry_over(self, state: dict) -> None:
         """A method that starts afresh on resume continues the run's batch ids and lost
@@ -222,19 +227,29 @@ class Federation:
 
     def _device_state(self, rnd: int) -> dict:
         """Ask every hosted client's device what it keeps for it (Local's model, the change
-        flag). Checkpoint traffic is the emulator's, not the method's: it is not billed."""
+        flag). Checkpoint traffic is the emulator's, not the method's: it is not billed.
+        A client whose device does not answer, answers late or answers wrong is checked
+        like any reply and listed as `missing`: the checkpoint is written without its
+        state (a broken or hostile device must not stop the run), and resume says so."""
         t, clients = self.transport, self._hosted()
         billed, t.ledger = t.ledger, Ledger()
         try:
-            replies = t.gather({c: Message("snapshot", rnd, c) for c in clients}, "state", self.timeout_s, own=True)
+            msgs = {c: Message("snapshot", rnd, c) for c in clients}
+            replies = t.gather(msgs, "state", self.timeout_s, check=state_check(self.model_size), own=True)
         finally:
             t.ledger = billed
         missing = sorted(set(clients) - set(replies) - set(t.lost_clients().tolist()))
         if missing:
-            raise RuntimeError(f"checkpoint: clients {missing[:20]} did not report their device state")
+            log.error(
+                "checkpoint after round %d: no valid device state from clients %s on %s; written without it",
+                rnd,
+                missing[:20],
+                sorted({t.client_device[c] for c in missing}),
+            )
         return {
             "models": {c: r.tensors["model"].copy() for c, r in replies.items() if "model" in r.tensors},
             "flags": sorted(c for c, r in replies.items() if r.meta.get("flag")),
+            "missing": missing,
         }
 
     def _restore_device_state(self, state: dict) -> None:
@@ -336,9 +351,10 @@ def run_method(
     fed.method, fed.clock = strategy.name, population  # the population prices every exchange
     tic, pacer = time.perf_counter(), CheckpointPacer()
     if resume:
-        done, history, setup_s = resume_method(out_dir, strategy, fed, population)
+        done, history, setup_s = resume_method(out_dir, strategy, fed, population, progress)
     else:
-        fed.present, fed.events = population.candidates(0), []
+        # devices lost at start-up (they could not load their clients) take no part
+        fed.present, fed.events = np.setdiff1d(population.candidates(0), transport.lost_clients()), []
         strategy.setup(fed)
         write_artifacts(out_dir, strategy.take_artifacts())
         done, history, setup_s = 0, [], time.perf_counter() - tic
@@ -434,14 +450,25 @@ def save_checkpoint(out_dir: Path, rnd: int, setup_s: float, strategy: Strategy,
     )
 
 
-def resume_method(out_dir: Path, strategy: Strategy, fed: Federation, population) -> tuple[int, list, float]:
+def resume_method(
+    out_dir: Path, strategy: Strategy, fed: Federation, population, progress=print
+) -> tuple[int, list, float]:
     """Put everything back as it was after the checkpoint's round: arrivals and drift
     replayed on the processes, device-held state, the ledger, the strategy. A record
     written after the checkpoint (killed in between) is dropped: that round runs again."""
     state = checkpoint.load(out_dir / CHECKPOINT, fed.device)
     done = state["round"]
     population.load_state_dict(state["population"], upto=done)
-    fed.load_state_dict(state["federation"])
+    lacking = fed.load_state_dict(state["federation"])
+    if lost := state["federation"]["lost_devices"]:
+        gone = fed.transport.lost_clients().tolist()
+        progress(f"resume: device(s) {lost} were lost by the checkpoint after round {done}; their {len(gone)} clients stay out")
+    if lacking:
+        progress(
+            f"resume: the checkpoint after round {done} lacks the device state of {len(lacking)} client(s) "
+            f"{lacking[:20]} (their device did not report it); they resume with none: no device-held "
+            "model (Local starts them again from the initial weights), no change flag"
+        )
     strategy.load_state_dict(state["strategy"])
     metrics = out_dir / "metrics.jsonl"
     lines = metrics.read_text().splitlines()[:done] if metrics.exists() else []

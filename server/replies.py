@@ -103,6 +103,28 @@ def centroids_check(sizes: ShardSizes | None, max_k: int = 64) -> Check:
     return check
 
 
+def state_check(model_size: int | None) -> Check:
+    """`state` (a checkpoint's snapshot of what a device keeps for a client): a 0/1 change
+    flag and, if the device keeps a model for the client (Local), one finite float32 model
+    of the run's size. A wrong one would be written into the checkpoint and handed back to
+    the device on resume."""
+
+    def check(client: int, reply: Message):
+        if reply.meta.get("flag", 0) not in (0, 1):
+            return "bad meta", f"flag {short(reply.meta.get('flag'), 24)}"
+        if not reply.tensors:
+            return None
+        model = reply.tensors.get("model")
+        size = model_size if model_size is not None else (model.size if model is not None else 0)
+        if model is None or model.dtype != np.float32 or model.shape != (size,) or len(reply.tensors) != 1:
+            return "bad state", f"expected no tensor or one float32 model of {size} parameters"
+        if not np.isfinite(model).all():
+            return "non-finite state", f"{int((~np.isfinite(model)).sum())} of {size} parameters are NaN or inf"
+        return None
+
+    return check
+
+
 def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 

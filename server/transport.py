@@ -256,7 +256,7 @@ class Transport:
             try:
                 self.send(d, msg)
             except DeviceLost as exc:  # gone before its first task: the run goes on without it
-                self._lose(d, str(exc))
+                self.lose(d, str(exc))
 
     def active_devices(self) -> list[str]:
         return [d for d in self.devices if d not in self.lost_devices]
@@ -295,7 +295,7 @@ class Transport:
                     self.send(device, msg)
                 waiting.update(cids)
             except DeviceLost as exc:
-                self._lose(device, str(exc))
+                self.lose(device, str(exc))
         results: dict[int, Message] = {}
         deadline = time.monotonic() + timeout_s
         while waiting:
@@ -362,10 +362,11 @@ class Transport:
     def _drop_dead(self, waiting: set[int]) -> None:
         for device in {self.client_device[c] for c in waiting}:
             if not self.alive(device):
-                self._lose(device, "process exited")
+                self.lose(device, "process exited")
                 waiting.difference_update(c for c in list(waiting) if self.client_device[c] == device)
 
-    def _lose(self, device: str, why: str) -> None:
+    def lose(self, device: str, why: str) -> None:
+        """Go on without `device`: its clients get no more requests, and say so once."""
         if device in self.lost_devices:
             return
         self.lost_devices.add(device)
@@ -384,7 +385,7 @@ class Transport:
 
     def close(self) -> None:
         self.drain()
-        for d in self.active_devices():
+        for d in self.devices:  # lost ones too: one that still listens (a late or rogue device) should go
             with contextlib.suppress(DeviceLost):
                 self.send(d, Message("shutdown"))
         self.gate.close(self.sock)

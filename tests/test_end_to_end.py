@@ -149,9 +149,13 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_rounds_done(tmp_path):
 
 def test_a_device_started_by_hand_joins_over_tcp(tmp_path):
     """The path to real edge devices: one local device process plus one started by hand
-    with `flt device --connect`, as on another host."""
+    with `flt device --connect`, as on another host. An external device means CURVE by
+    default, on loopback too, so the README's way: keys first."""
     import socket
     import time
+
+    keys = tmp_path / "keys"
+    assert flt("keys", str(keys), "--devices", "1").returncode == 0
 
     with socket.socket() as s:  # a free port for the server to bind
         s.bind(("127.0.0.1", 0))
@@ -169,8 +173,10 @@ def test_a_device_started_by_hand_joins_over_tcp(tmp_path):
         "devices.external=1",
         "--set",
         f"devices.bind=tcp://127.0.0.1:{port}",
+        "--set",
+        f"devices.keys={keys}",
         "--out",
-        str(tmp_path),
+        str(tmp_path / "run"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -180,8 +186,10 @@ def test_a_device_started_by_hand_joins_over_tcp(tmp_path):
         "device",
         "--connect",
         f"tcp://127.0.0.1:{port}",
-        "--name",
-        "edge-1",
+        "--key",
+        str(keys / "edge-0.key_secret"),
+        "--server-key",
+        str(keys / "server.key"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -192,7 +200,8 @@ def test_a_device_started_by_hand_joins_over_tcp(tmp_path):
     by_hand.wait(timeout=60)
     assert by_hand.returncode == 0  # the server told it to shut down
     assert "hosting 10 clients" in by_hand.stderr.read()
-    m = summary(tmp_path)["methods"]["fedavg"]
+    assert summary(tmp_path / "run")["security"]["mechanism"] == "curve"  # devices.security: auto
+    m = summary(tmp_path / "run")["methods"]["fedavg"]
     assert m["rounds"] == 4 and m["final_accuracy"] is not None and not m["lost_clients"]
     assert m["selections"] == m["rounds"] * 10  # every selected client answered, both devices' too
 

@@ -2,6 +2,7 @@
 up by name, travels as a generic task over a real socket, and an unknown one is refused
 with a reply that names it."""
 
+import contextlib
 import logging
 import threading
 from types import SimpleNamespace
@@ -70,15 +71,15 @@ def test_a_generic_message_is_billed_under_the_traffic_class_it_names():
     assert Message("result", meta={"op": "choose"}).traffic == "control"
 
 
-@pytest.fixture()
-def served_device():
-    """A real Device loop (in a thread) with two clients, behind a real server socket."""
+@contextlib.contextmanager
+def device_served(cls: type[Device] = Device, clients=(4, 7)):
+    """A real Device loop (in a thread) with a few clients, behind a real server socket."""
     torch.manual_seed(0)
     model = build_model("mlp", (1, 28, 28), 10)
     server = Transport()
-    dev = Device(server.endpoint, name="dev-ops")
+    dev = cls(server.endpoint, name="dev-ops")
     g = torch.Generator().manual_seed(1)
-    for c in (4, 7):
+    for c in clients:
         x = torch.rand(12, 1, 28, 28, generator=g)
         y = torch.randint(0, 10, (12,), generator=g)
         dev.shards[c] = SimpleNamespace(x=x, y=y, x_test=x[:4], y_test=y[:4])  # what ops read of a shard
@@ -86,12 +87,20 @@ def served_device():
     thread = threading.Thread(target=dev.run, daemon=True)
     thread.start()
     assert server.wait_devices(1, 20) == ["dev-ops"]
-    server.client_device.update({4: "dev-ops", 7: "dev-ops"})
-    yield server, dev, flatten(model).detach()
-    server.broadcast(Message("shutdown"))
-    thread.join(10)
-    dev.sock.close(linger=0)
-    server.sock.close(linger=0)
+    server.client_device.update(dict.fromkeys(clients, "dev-ops"))
+    try:
+        yield server, dev, flatten(model).detach()
+    finally:
+        server.broadcast(Message("shutdown"))
+        thread.join(10)
+        dev.sock.close(linger=0)
+        server.sock.close(linger=0)
+
+
+@pytest.fixture()
+def served_device():
+    with device_served() as served:
+        yield served
 
 
 def test_a_new_op_travels_as_a_task_and_answers_over_a_real_socket(served_device):
@@ -202,3 +211,30 @@ def test_a_checkpoint_snapshot_takes_no_batch_id_of_the_method(served_device):
     first, again = fed.state_dict(1), fed.state_dict(1)
     assert first["batch"] == again["batch"] == 2  # round 1 took id 1; two snapshots took none
     np.testing.assert_array_equal(again["clients"]["models"][4], dev.resident[4].numpy())
+
+
+class _NoStateFor(Device):
+    """A device that never reports the state of client 7, and a wrong one for client 4."""
+
+    def send(self, msg: Message) -> None:
+        if msg.kind == "state" and msg.client == 7:
+            return
+        if msg.kind == "state" and msg.client == 4:
+            msg = Message("state", msg.round, 4, tensors={"model": np.zeros(5, np.float32)}, meta=msg.meta)
+        super().send(msg)
+
+
+def test_a_checkpoint_is_written_without_the_state_a_device_did_not_give_and_resume_names_it():
+    """A device that does not answer the checkpoint's snapshot, or answers it wrong, must
+    not stop the run (it did: RuntimeError): the state is checked like any reply, and the
+    checkpoint lists whose state it lacks."""
+    with device_served(_NoStateFor, clients=(4, 7, 9)) as (server, dev, w0):
+        cfg = {"local_epochs": 1, "batch_size": 4, "lr": 0.05, "vectorize": True}
+        fed = Federation(server, cfg, seed=3, timeout_s=2, device=torch.device("cpu"), model_size=w0.numel())
+        fed.train(1, {c: Task(w0[None], op="train_resident", model_back=False) for c in (4, 7, 9)})
+        state = fed.state_dict(1)
+        assert state["clients"]["missing"] == [4, 7]  # 7 said nothing; 4 sent a model of the wrong size
+        assert sorted(state["clients"]["models"]) == [9]
+        np.testing.assert_array_equal(state["clients"]["models"][9], dev.resident[9].numpy())
+        assert server.rejections.by_reason["bad state"][0] == 1
+        assert fed.load_state_dict(state) == [4, 7]  # what resume reports as lacking

@@ -385,6 +385,8 @@ def test_devices_that_never_connect_exit_3_with_one_line(tmp_path):
         "--set",
         "devices.external=1",
         "--set",
+        "devices.security=none",  # auto would want CURVE keys for an external device
+        "--set",
         "devices.start_timeout_s=0.5",
         "--out",
         str(tmp_path / "run"),

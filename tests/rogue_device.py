@@ -1,0 +1,98 @@
+"""A broken or hostile external device, for tests/test_rogue_device.py.
+
+It is the real device program (`flt device`), except that it answers the first request
+(or the first `--times N`) of each kind it is told to spoil wrongly, in one of four ways:
+
+- missing: no answer at all;
+- malformed: a frame that does not decode;
+- wrong: a well-formed answer with wrong content (a model of the wrong size, evaluation
+  totals that are not the test shard's, 3-D centroids, a device state with a model of
+  the wrong size, `ready` for clients it was not given);
+- late: the right answer, after the server stopped waiting for it (held back until the
+  device answers its next request, which the server sends only once it gave up).
+
+    python tests/rogue_device.py --connect ENDPOINT --name edge-1 --mode late \\
+        --spoil update,metrics,centroids,state
+
+Every other request is answered as a healthy device would, so the test can tell what the
+server did with the spoiled ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flt.devices.device import Device
+from flt.emulator.zygote import preload
+from flt.models.wire import Message
+
+REPLIES = ("ready", "update", "metrics", "centroids", "state")  # a reply to assign, train, evaluate, encoder, snapshot
+MODES = ("missing", "malformed", "wrong", "late")
+
+
+def wrong(msg: Message) -> Message:
+    """The same reply with its content spoiled in a way the server can know is wrong."""
+    meta, tensors = dict(msg.meta), dict(msg.tensors)
+    if msg.kind == "ready":
+        meta["clients"] = [*meta["clients"], 10_000]
+    elif msg.kind == "update":
+        tensors["model"] = tensors["model"][:-1]
+    elif msg.kind == "metrics":
+        meta["total"] = meta["total"] + 1
+    elif msg.kind == "centroids":
+        tensors["centroids"] = tensors["centroids"][None]
+    elif msg.kind == "state":
+        tensors["model"] = np.zeros(3, dtype=np.float32)
+    return Message(msg.kind, msg.round, msg.client, tensors=tensors, meta=meta, run=msg.run)
+
+
+class RogueDevice(Device):
+    def __init__(self, *args, mode: str, spoil: set[str], times: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mode, self.spoil, self.times = mode, spoil, times
+        self.spoiled: dict[str, list] = {}  # reply kind -> the batch ids spoiled (each kind's first `times`)
+        self.held: list[Message] = []  # late answers, sent before the next request's
+
+    def send(self, msg: Message) -> None:
+        batch, spoiled = msg.meta.get("batch"), self.spoiled.setdefault(msg.kind, [])
+        if batch not in spoiled and len(spoiled) < self.times:
+            spoiled.append(batch)
+        if msg.kind not in self.spoil or batch not in spoiled:
+            if self.held and self.held[0].meta.get("batch") != batch:
+                for late in self.held:
+                    super().send(late)
+                self.held.clear()
+            return super().send(msg)
+        logging.warning("rogue: %s %s for client %d", self.mode, msg.kind, msg.client)
+        if self.mode == "malformed":
+            self.sock.send_multipart([b'{"v": 1, "kind": "' + msg.kind.encode() + b'", "round": '])
+        elif self.mode == "wrong":
+            super().send(wrong(msg))
+        elif self.mode == "late":
+            self.held.append(msg)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--connect", required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--mode", choices=MODES, required=True)
+    p.add_argument("--spoil", required=True, help=f"comma-separated reply kinds among {', '.join(REPLIES)}")
+    p.add_argument("--times", type=int, default=1, help="spoil the first N requests of each kind")
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    spoil = set(a.spoil.split(","))
+    if not spoil <= set(REPLIES):
+        p.error(f"--spoil: unknown reply kinds {sorted(spoil - set(REPLIES))}")
+    preload()  # what a forked device has imported already: its first training is no slower than theirs
+    return RogueDevice(a.connect, a.name, mode=a.mode, spoil=spoil, times=a.times).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
