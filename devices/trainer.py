@@ -2,10 +2,12 @@
 
 Batch-10 SGD on a small model is overhead-bound, so a device trains all of its
 selected clients at once: their parameters are stacked into one [B, P] tensor and
-every SGD step runs `torch.func.vmap` over the cohort. Clients with fewer samples
-than the largest one get zero-weight padding, so their extra steps change nothing.
-`vectorize=False` runs the textbook per-client loop with the same batches; it is the
-reference the benchmark and the tests compare against.
+every SGD step runs over the whole cohort. Clients with fewer samples than the largest
+one get zero-weight padding, so their extra steps change nothing. A plain stack of
+layers (the MLP: Flatten, Linear, ReLU, dropout) with cross-entropy and SGD takes a
+hand-written backward pass on the CPU (`_StackSGD`); any other model, loss or optimizer
+takes `torch.func.vmap(grad(...))`. `vectorize=False` runs the textbook per-client loop
+with the same batches; it is the reference the benchmark and the tests compare against.
 
 Every random draw (batch order, dropout masks) comes from the client's own generator,
 and padding changes nothing, so a client's result does not depend on which device or
@@ -103,8 +105,9 @@ def _sample_loss(out, x, y, kind):
 def use_vmap(setting: bool | str, model: torch.nn.Module, device: torch.device) -> bool:
     """`train.vectorize`; "auto" takes what benchmarks/bench_cohort.py measured faster: the
     vmapped cohort on a GPU (8x to 27x over the loop on an H200) and for the MLP on a CPU
-    (1.3x), the per-client loop for convolutional models on a CPU (1.3x to 1.6x faster
-    there: vmapped convolutions lose their batched kernels)."""
+    (there the cohort takes _StackSGD, 3x the loop), the per-client loop for convolutional
+    models on a CPU (1.3x to 1.6x faster there: vmapped convolutions lose their batched
+    kernels)."""
     if setting != "auto":
         return bool(setting)
     if device.type == "cuda":
@@ -178,6 +181,8 @@ class CohortTrainer:
         return loss
 
     def _train_vmap(self, start, xs, ys, cfg, gens):
+        if start.device.type == "cpu" and _StackSGD.fits(self.model, cfg):
+            return self._train_stack(start, xs, ys, cfg, gens)
         flat = start.clone().float()
         params, anchor = unflatten(flat, self.spec), unflatten(start.float(), self.spec)
         xpad, lengths = _pad(xs)
@@ -203,6 +208,26 @@ class CohortTrainer:
                 )
                 active = w.sum(1) > 0
                 opt.step(grads, params, active)
+                total += loss * active
+                count += active
+        return flat, total / count.clamp(min=1)
+
+    def _train_stack(self, start, xs, ys, cfg, gens):
+        """The cohort's SGD through `_StackSGD`: the same batches, dropout masks and
+        updates as the vmap path, without a gradient the size of the cohort's models."""
+        flat = start.clone().float()
+        stack = _StackSGD(self.model, unflatten(flat, self.spec), unflatten(start.float(), self.spec), cfg)
+        xpad, lengths = _pad(xs)
+        ypad, _ = _pad(ys)
+        rows = torch.arange(len(xs))[:, None]
+        total, count = torch.zeros(len(xs)), torch.zeros(len(xs))
+        for _ in range(cfg.epochs):
+            order, weight = epoch_batches(lengths, cfg.batch_size, gens)
+            noise = self._epoch_noise(lengths, order.shape[1], cfg.batch_size, gens, xs[0])
+            for s in range(order.shape[1]):
+                idx, w = order[:, s], weight[:, s]
+                loss = stack.step(xpad[rows, idx], ypad[rows, idx], w, {k: v[:, s] for k, v in noise.items()})
+                active = w.sum(1) > 0
                 total += loss * active
                 count += active
         return flat, total / count.clamp(min=1)
@@ -274,6 +299,100 @@ class CohortTrainer:
         b = len(xs)
         cols = [self.evaluate(candidates[k].expand(b, -1), xs, ys)[2] for k in range(len(candidates))]
         return torch.stack(cols, dim=1)
+
+
+class _StackSGD:
+    """One SGD step of a cohort of plain layer stacks, forward and backward by hand.
+
+    With vmap(grad(...)), every step writes B weight gradients as large as the models
+    and reads them again for the update; for batch-10 SGD on the MLP that memory traffic,
+    not the arithmetic, is the cost. Here each Linear's update is one in-place batched
+    product, W -= lr * dOut^T x, and no gradient of a weight is ever stored (about 1.7x
+    the vmap path and 3x the per-client loop for the MLP on one CPU thread,
+    benchmarks/README.md). The loss is the vmap path's: each client's weighted mean
+    cross-entropy over its real samples, plus FedProx's proximal term."""
+
+    LAYERS = (torch.nn.Flatten, torch.nn.Linear, torch.nn.ReLU, SeededDropout)
+
+    @classmethod
+    def fits(cls, model: torch.nn.Module, cfg: TrainConfig) -> bool:
+        return (
+            isinstance(model, torch.nn.Sequential)
+            and all(type(m) in cls.LAYERS for m in model)
+            and any(isinstance(m, torch.nn.Linear) for m in model)
+            and not any(isinstance(m, torch.nn.Flatten) for m in list(model)[1:])
+            and cfg.loss == "ce"
+            and cfg.optimizer == "sgd"
+        )
+
+    def __init__(self, model: torch.nn.Sequential, params: dict, anchor: dict, cfg: TrainConfig):
+        self.layers = list(model.named_children())
+        # params: views of the cohort's stacked models, updated in place; anchor: where they started
+        self.params, self.anchor, self.cfg = params, anchor, cfg
+        # the first Linear needs no gradient for its input: nothing below it learns
+        self.first_linear = next(i for i, (_, m) in enumerate(self.layers) if isinstance(m, torch.nn.Linear))
+
+    @torch.no_grad()
+    def step(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, noise: dict) -> torch.Tensor:
+        """Train on batch x [B, b, ...], labels y [B, b], sample weights w [B, b] (0 for
+        padding); returns each client's loss [B] before the step."""
+        p, h = self.params, x
+        saved: list[torch.Tensor | None] = []  # per layer: its input (Linear) or its mask
+        for name, layer in self.layers:  # forward, keeping what the backward pass needs
+            if isinstance(layer, torch.nn.Flatten):
+                h = h.flatten(2)
+            elif isinstance(layer, torch.nn.Linear):
+                saved.append(h)
+                bias = p.get(f"{name}.bias")
+                weight_t = p[f"{name}.weight"].transpose(1, 2)
+                h = torch.bmm(h, weight_t) if bias is None else torch.baddbmm(bias.unsqueeze(1), h, weight_t)
+            elif isinstance(layer, torch.nn.ReLU):
+                h = torch.relu(h)
+                saved.append(h > 0)
+            else:  # SeededDropout: the client's own uniform noise decides what is kept
+                rate = float(layer.p)  # type: ignore[arg-type]  # SeededDropout's p, a float
+                keep = (noise[f"{name}.noise"] >= rate).to(h.dtype) / (1.0 - rate) if rate else None
+                h = h if keep is None else h * keep
+                saved.append(keep)
+        logp = torch.log_softmax(h, -1)
+        active = w.sum(1)
+        per_client = w / active.clamp(min=1.0).unsqueeze(1)  # each client's mean over its real samples
+        loss = -(logp.gather(-1, y.unsqueeze(-1)).squeeze(-1) * per_client).sum(1)
+        grad = logp.exp_()  # d loss / d logits = (softmax - onehot(y)) * per-sample weight
+        grad.scatter_add_(-1, y.unsqueeze(-1), torch.full((*y.shape, 1), -1.0, dtype=grad.dtype))
+        grad.mul_(per_client.unsqueeze(-1))
+        prox_value, prox_grads = self._proximal(active > 0)
+        for i, (name, layer) in reversed(list(enumerate(self.layers))):
+            if isinstance(layer, torch.nn.Linear):
+                saved_in = saved.pop()
+                weight = p[f"{name}.weight"]
+                grad_in = torch.bmm(grad, weight) if i > self.first_linear else None  # before the weight moves
+                weight.baddbmm_(grad.transpose(1, 2), saved_in, alpha=-self.cfg.lr)
+                if f"{name}.bias" in p:
+                    p[f"{name}.bias"].sub_(grad.sum(1), alpha=self.cfg.lr)
+                if grad_in is None:
+                    break
+                grad = grad_in
+            elif isinstance(layer, (torch.nn.ReLU, SeededDropout)):
+                mask = saved.pop()
+                grad = grad if mask is None else grad * mask
+        for k, g in prox_grads.items():
+            self.params[k].sub_(g, alpha=self.cfg.lr)
+        return loss + prox_value
+
+    def _proximal(self, active: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """FedProx: (mu/2)||w - w_global||^2 on the clients this step trains, and its
+        gradient mu (w - w_global), from the weights before the step (applied after it)."""
+        mu = self.cfg.prox_mu
+        if mu <= 0:
+            return torch.zeros(len(active)), {}
+        on = active.to(torch.float32)
+        value, grads = torch.zeros(len(active)), {}
+        for k, v in self.params.items():
+            diff = (v - self.anchor[k]) * on.view((-1,) + (1,) * (v.dim() - 1))
+            value += (diff * diff).flatten(1).sum(1)
+            grads[k] = diff.mul_(mu)
+        return 0.5 * mu * value, grads
 
 
 class _StackedOptimizer:

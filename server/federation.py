@@ -462,7 +462,9 @@ def resume_method(
     lacking = fed.load_state_dict(state["federation"])
     if lost := state["federation"]["lost_devices"]:
         gone = fed.transport.lost_clients().tolist()
-        progress(f"resume: device(s) {lost} were lost by the checkpoint after round {done}; their {len(gone)} clients stay out")
+        progress(
+            f"resume: device(s) {lost} were lost by the checkpoint after round {done}; {len(gone)} clients stay out"
+        )
     if lacking:
         progress(
             f"resume: the checkpoint after round {done} lacks the device state of {len(lacking)} client(s) "

@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_resume import results_without_timing  # tests/ is on sys.path under pytest
 
+from flt.devices import trainer as trainer_module
 from flt.devices.device import client_generator
 from flt.devices.trainer import CohortTrainer, TrainConfig
 from flt.models.flat import flatten, param_spec
@@ -82,6 +83,20 @@ def test_the_vmapped_cohort_equals_the_per_client_loop(trainer, cfg):
     assert torch.allclose(vloss, lloss, atol=1e-5)
     other, _ = tr.train(init.expand(len(ids), -1), *cohort(ids), cfg, [client_generator(4, c) for c in ids])
     assert not torch.equal(other, vmapped)  # the round's seed does reach the batches
+
+
+@pytest.mark.parametrize("cfg", [TrainConfig(epochs=2, lr=0.05), TrainConfig(epochs=2, lr=0.05, prox_mu=0.1)])
+def test_the_hand_written_backward_equals_vmap_grad(trainer, cfg, monkeypatch):
+    """The MLP's cohort SGD on a CPU takes _StackSGD (a backward pass by hand); every
+    other model takes vmap(grad(...)): the two must be the same SGD, up to float rounding."""
+    tr, init = trainer
+    ids = list(range(len(SIZES)))
+    start = init.expand(len(ids), -1) + 0.01 * torch.randn(len(ids), init.numel(), generator=torch.Generator())
+    stack, sloss = tr.train(start, *cohort(ids), cfg, [client_generator(3, c) for c in ids])
+    monkeypatch.setattr(trainer_module._StackSGD, "fits", classmethod(lambda cls, model, cfg: False))
+    vmapped, vloss = tr.train(start, *cohort(ids), cfg, [client_generator(3, c) for c in ids])
+    assert not torch.equal(stack, start)
+    assert torch.allclose(stack, vmapped, atol=1e-6, rtol=0) and torch.allclose(sloss, vloss, atol=1e-6)
 
 
 def test_a_clients_evaluation_does_not_depend_on_its_cohort(trainer):
