@@ -378,7 +378,20 @@ def main(argv=None) -> int:
     )
     # forked devices would all read as the emulator's own `flt run ...` line in ps and top
     set_process_title(f"flt device {device.name} ({f'run {a.run}' if a.run else f'server {a.connect}'})")
+    if folder := os.environ.get("FLT_PROFILE"):  # benchmarks/profile_round.py: where a round's time goes
+        return _profiled(device, Path(folder) / f"{device.name}.prof")
     return device.run()
+
+
+def _profiled(device: Device, path: Path) -> int:
+    """Run the device under cProfile and write its statistics at shutdown."""
+    import cProfile
+
+    profiler = cProfile.Profile()
+    try:
+        return profiler.runcall(device.run)
+    finally:
+        profiler.dump_stats(path)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,11 @@ def main(argv=None) -> int:
         return guarded(lambda: _keys(args))
     if args.cmd == "report":
         return guarded(lambda: _report(args))
+    # a mistake in the scenario or a --set answers now, before torch, scikit-learn and the
+    # device zygote are loaded (benchmarks/bench_validation.py: well under a second)
+    validates = args.cmd in ("run", "compare", "relate") and args.scenario and not getattr(args, "resume", None)
+    if validates and (code := guarded(lambda: _validate(args))):
+        return code
     # run, compare, relate, suite: devices are forked from a copy of this process made
     # now, before any thread exists, so that torch's pages are shared (emulator/zygote.py)
     from flt.emulator.processes import fork_here
@@ -178,8 +183,16 @@ def _scenario_args(p, optional: bool = False):
     p.add_argument("--out", help="run folder (default: <output>/<name>-<time>)")
 
 
+def _validate(args) -> None:
+    """The scenario file with its --set overrides (and compare's --methods), validated."""
+    from flt.emulator import config
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.cmd == "compare" else None
+    args.cfg = config.load(args.scenario, args.set, methods)
+
+
 def _run(args) -> int:
-    from flt.emulator import config, report
+    from flt.emulator import report
     from flt.emulator.run import run_scenario
     from flt.server.progress import Display
 
@@ -188,12 +201,7 @@ def _run(args) -> int:
     if args.cmd == "relate":
         from flt.emulator.relate import relate_scenario
 
-        return guarded(
-            lambda: relate_scenario(config.load(args.scenario, args.set), args.out, args.method, umap=not args.no_umap)
-        )
-    methods = None
-    if args.cmd == "compare":
-        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        return guarded(lambda: relate_scenario(args.cfg, args.out, args.method, umap=not args.no_umap))
     action: Callable[[], object]  # a run folder's Path, or None
     if args.cmd == "run" and args.resume:
         action = lambda: _resume(args)  # noqa: E731
@@ -201,11 +209,7 @@ def _run(args) -> int:
         print("error: a scenario file, or --resume RUN_DIR, is needed", file=sys.stderr)
         return 2
     else:
-        action = lambda: run_scenario(  # noqa: E731
-            config.load(args.scenario, args.set, methods),
-            args.out,
-            progress=terminal,
-        )
+        action = lambda: run_scenario(args.cfg, args.out, progress=terminal)  # noqa: E731
     try:
         return guarded(action)
     except KeyboardInterrupt:

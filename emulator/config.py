@@ -19,7 +19,7 @@ from flt.models.schema import ConfigError, Field, MethodSpec, section, validate
 from flt.scenarios.datasets import DATASETS, DataError, dataset_key, load_dataset
 from flt.scenarios.errors import short
 from flt.server.auth import SECURITY, security_problem
-from flt.server.strategies import STRATEGIES
+from flt.server.strategies.params import METHODS  # torch-free: a typo answers before anything heavy loads
 
 DATA = {
     "dataset": Field(
@@ -415,13 +415,13 @@ def select_methods(entries: list, names: list[str]) -> list:
     chosen: list = []
     for word in names:
         # a method name picks every entry of that method; any other word, the entry with that label
-        picked = [e for n, _, e in named if n == word] or ([word] if word in STRATEGIES else [])
+        picked = [e for n, _, e in named if n == word] or ([word] if word in METHODS else [])
         picked = picked or [e for _, label, e in named if label == word]
         if not picked:
             labels = [label for _, label, _ in named if label]
             raise ConfigError(
                 f"--methods: unknown method or label {short(word)}; methods: "
-                f"{', '.join(STRATEGIES)}; labels in this scenario: {', '.join(map(str, labels))}"
+                f"{', '.join(METHODS)}; labels in this scenario: {', '.join(map(str, labels))}"
             )
         chosen += [e for e in picked if not any(e is c for c in chosen)]
     return chosen
@@ -446,11 +446,11 @@ def parse_methods(entries: list) -> list[MethodSpec]:
             raise ConfigError(f"{where}: expected a method name or a mapping with 'name'")
         entry = dict(entry)
         name, label = entry.pop("name"), entry.pop("label", None)
-        if name not in STRATEGIES:
-            raise ConfigError(f"{where}.name: unknown method {name!r}; known: {', '.join(STRATEGIES)}")
-        params = validate(entry, STRATEGIES[name].PARAMS, f"{where}({name})")
-        check = getattr(STRATEGIES[name], "check_params", None)
-        if check and (problem := check(params)):
+        if not isinstance(name, str) or name not in METHODS:
+            raise ConfigError(f"{where}.name: unknown method {short(name)}; known: {', '.join(METHODS)}")
+        method = METHODS[name]
+        params = validate(entry, method.params, f"{where}({name})")
+        if method.check and (problem := method.check(params)):
             raise ConfigError(f"{where}({name}): {problem}")
         spec = MethodSpec(name, params, label or name)
         if spec.label in labels:

@@ -43,42 +43,8 @@ from scipy.cluster.hierarchy import fcluster, leaves_list, linkage
 from scipy.spatial.distance import pdist, squareform
 from sklearn.metrics import silhouette_score
 
-SPACES = ("embedding", "umap")
-DISTANCES = ("chamfer", "hausdorff", "min")
-LINKAGES = ("average", "complete", "single", "ward", "ward_graph")  # ward: on A, as if Euclidean
-CHOOSERS = ("silhouette", "gap")
-
-
-@dataclass(frozen=True)
-class Relatedness:
-    """One FCR pipeline. gamma None: no threshold (the graph comes from the clusters)."""
-
-    space: str = "embedding"
-    distance: str = "chamfer"
-    linkage: str = "average"
-    choose: str = "silhouette"
-    gamma: float | None = None
-    # Measured on the FCR quality suite (benchmarks/README.md): IID clients of four
-    # datasets 0.07-0.13; every planted grouping the embedding separates 0.20-0.57.
-    min_separation: float = 0.16
-    min_silhouette: float = 0.0
-    silhouette_slack: float = 0.02
-
-    def __post_init__(self):
-        for name, value, allowed in (
-            ("space", self.space, SPACES),
-            ("distance", self.distance, DISTANCES),
-            ("linkage", self.linkage, LINKAGES),
-            ("choose", self.choose, CHOOSERS),
-        ):
-            if value not in allowed:
-                raise ValueError(f"{name}: {value!r} is not one of {', '.join(allowed)}")
-
-
-PRESETS = {
-    "set": Relatedness(),
-    "paper": Relatedness(space="umap", distance="min", linkage="ward_graph", choose="gap", gamma=1.0),
-}
+# the pipelines' knobs and presets are FLT's parameters: they live with them, torch-free
+from flt.server.strategies.params import CHOOSERS, DISTANCES, LINKAGES, PRESETS, SPACES, Relatedness  # noqa: F401
 
 
 @dataclass

@@ -1,13 +1,30 @@
-"""Registry of federated methods: scenario files and summary.json use these names."""
+"""Registry of federated methods: scenario files and summary.json use these names.
 
-from flt.server.strategies.cfl import CFL
-from flt.server.strategies.fedavg import FedAvg
-from flt.server.strategies.fedprox import FedProx
-from flt.server.strategies.fedsem import FedSEM
-from flt.server.strategies.fesem_soft import FeSEMSoft
-from flt.server.strategies.flt import FLT
-from flt.server.strategies.ifca import IFCA
-from flt.server.strategies.local import Local
-from flt.server.strategies.pca_km_hc import PCAKMHC
+Importing it is light: `STRATEGIES[name]` imports a strategy's module (torch, scikit-learn)
+the first time a run asks for it, and a scenario is validated against
+server/strategies/params.py alone, before anything heavy is loaded.
+"""
 
-STRATEGIES = {cls.name: cls for cls in (FedAvg, FedProx, Local, FLT, PCAKMHC, IFCA, FedSEM, FeSEMSoft, CFL)}
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator, Mapping
+
+from flt.server.strategies.params import METHODS
+
+
+class _Strategies(Mapping):
+    """name -> strategy class, each imported on first use."""
+
+    def __getitem__(self, name: str) -> type:
+        method = METHODS[name]
+        return getattr(importlib.import_module(method.module), method.cls)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(METHODS)
+
+    def __len__(self) -> int:
+        return len(METHODS)
+
+
+STRATEGIES = _Strategies()

@@ -45,9 +45,10 @@ import numpy as np
 import torch
 from sklearn.cluster import AgglomerativeClustering
 
-from flt.models.schema import Field, validate
+from flt.models.schema import validate
 from flt.server.fcr_report import agreement
 from flt.server.strategies.base import Result, Strategy, Task, stack, weighted_average
+from flt.server.strategies.params import CFL as CFL_PARAMS
 
 
 def cosine_similarity(updates: torch.Tensor) -> torch.Tensor:
@@ -67,16 +68,7 @@ def bipartition(similarity: np.ndarray) -> np.ndarray:
 
 class CFL(Strategy):
     name = "cfl"
-    PARAMS = {
-        "eps1": Field(float, 0.4, "split only when the norm of the cluster's mean update is below this", min=0),
-        "eps2": Field(
-            float, 1.6, "split only when the largest client update norm is above this (and the eps1 test holds)", min=0
-        ),
-        "warmup_rounds": Field(int, 20, "no split in rounds 1..warmup_rounds", min=0),
-        "min_cluster_size": Field(
-            int, 2, "split only a cluster with more than this many returned clients (authors' code: len > 2)", min=1
-        ),
-    }
+    PARAMS = CFL_PARAMS  # server/strategies/params.py: every method's parameters, torch-free
 
     def __init__(self, ctx, **params):
         super().__init__(ctx, **validate(params, self.PARAMS, self.name))

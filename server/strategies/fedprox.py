@@ -16,21 +16,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from flt.models.schema import Field, validate
+from flt.models.schema import validate
 from flt.server.strategies.base import Task
 from flt.server.strategies.fedavg import FedAvg
+from flt.server.strategies.params import FEDPROX
 
 
 class FedProx(FedAvg):
     name = "fedprox"
-    PARAMS = {
-        "mu": Field(
-            float,
-            0.01,
-            "proximal coefficient mu of (mu/2)||w - w_t||^2 (the paper tunes mu in {0.001, 0.01, 0.1, 1}; 0 = FedAvg)",
-            min=0,
-        ),
-    }
+    PARAMS = FEDPROX  # server/strategies/params.py: every method's parameters, torch-free
 
     def __init__(self, ctx, **params):
         super().__init__(ctx, **validate(params, self.PARAMS, self.name))

@@ -32,29 +32,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flt.models.schema import Field, validate
+from flt.models.schema import validate
 from flt.server.fcr_report import agreement
 from flt.server.strategies.base import Result, Strategy, Task, cluster_average, one_hot, stack, weighted_average
+from flt.server.strategies.params import FEDSEM
 
 
 class FedSEM(Strategy):
     name = "fedsem"
-    PARAMS = {
-        "centers": Field(int, 5, "K, the number of centre models", min=1),
-        "reassign_every": Field(
-            int,
-            1,
-            "re-assign returned models to their nearest centre every this "
-            "many rounds (1: every round, as in the paper)",
-            min=1,
-        ),
-        "init": Field(
-            str,
-            "random_clients",
-            "centre initialisation: k-means++-style seeded pick among the first round's returned models",
-            choices=("random_clients",),
-        ),
-    }
+    PARAMS = FEDSEM  # server/strategies/params.py: every method's parameters, torch-free
 
     def __init__(self, ctx, **params):
         super().__init__(ctx, **validate(params, self.PARAMS, self.name))

@@ -28,23 +28,13 @@ from __future__ import annotations
 
 import torch
 
-from flt.models.schema import Field
 from flt.server.strategies.fedsem import FedSEM
+from flt.server.strategies.params import FESEM_SOFT
 
 
 class FeSEMSoft(FedSEM):
     name = "fesem_soft"
-    PARAMS = {
-        **FedSEM.PARAMS,
-        "temperature": Field(
-            float,
-            0.1,
-            "T of the soft E-step, in units of the round's mean squared "
-            "model-centre distance (-> 0: FedSEM's hard assignment)",
-            min=0,
-            open_min=True,
-        ),
-    }
+    PARAMS = FESEM_SOFT  # server/strategies/params.py: every method's parameters, torch-free
 
     def __init__(self, ctx, **params):
         super().__init__(ctx, **params)  # FedSEM validates against this class's PARAMS

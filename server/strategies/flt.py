@@ -33,14 +33,13 @@ trains and is evaluated with the global model and never touches a cluster's mode
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import numpy as np
 import torch
 
 from flt.models.autoencoder import export_encoder_onnx
 from flt.models.flat import flatten
-from flt.models.schema import Field, section
 from flt.scenarios.errors import DeviceError
 from flt.server import encoder as enc
 from flt.server import fcr
@@ -57,196 +56,23 @@ from flt.server.strategies.base import (
     stack,
     weighted_average,
 )
-
-ENCODER = {
-    "dataset": Field(
-        str,
-        "public",
-        "pretraining set: 'public' (held-out slice of the train split) "
-        "or another dataset's name (Enc2, e.g. fashion_mnist for mnist)",
-    ),
-    "root": Field(str, None, "data root of that dataset (default: the scenario's)", nullable=True),
-    "epochs": Field(int, 10, "pretraining epochs", min=1),
-    "lr": Field(float, 1e-3, "Adam learning rate", min=0, open_min=True),
-    "batch_size": Field(int, 64, "pretraining batch", min=1),
-    "latent": Field(int, 128, "embedding size e", min=1),
-    "finetune_epochs": Field(
-        int, 0, "J: clients fine-tune the autoencoder this many epochs (0 = frozen encoder sent as ONNX)", min=0
-    ),
-    "finetune_lr": Field(float, 1e-3, "clients' Adam learning rate for fine-tuning", min=0, open_min=True),
-    "finetune_batch": Field(int, 32, "clients' fine-tuning batch", min=1),
-}
-UMAP = {
-    "n_components": Field(int, 2, "u, the UMAP dimension", min=1),
-    "n_neighbors": Field(int, 15, "UMAP n_neighbors", min=2),
-    "min_dist": Field(float, 0.1, "UMAP min_dist", min=0),
-    "metric": Field(str, "euclidean", "UMAP metric"),
-}
-
-
-def positive_or_auto(value) -> str | None:
-    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return None
-    return "a positive integer or 'auto'"
-
-
-RELATEDNESS = {
-    "relatedness": Field(
-        str,
-        "set",
-        "FCR pipeline: 'set' (symmetric Chamfer distance between clients' "
-        "centroid sets in the encoder's space, average linkage, C by silhouette: no "
-        "threshold, no per-dataset knob) or 'paper' (UMAP, closest-pair distance, "
-        "A~ = [A <= gamma], Ward on A~, C at the largest dendrogram gap)",
-        choices=tuple(fcr.PRESETS),
-    ),
-    "space": Field(
-        str,
-        None,
-        "override the pipeline's space: 'embedding' (the e-dim centroids) or 'umap'",
-        nullable=True,
-        choices=fcr.SPACES,
-    ),
-    "distance": Field(
-        str,
-        None,
-        "override A_ij between two clients' centroid sets: chamfer, hausdorff or min (the single closest pair)",
-        nullable=True,
-        choices=fcr.DISTANCES,
-    ),
-    "linkage": Field(
-        str,
-        None,
-        "override the clustering: average, complete, single or ward linkage on A, or "
-        "ward_graph (Ward on the rows of A~; needs gamma)",
-        nullable=True,
-        choices=fcr.LINKAGES,
-    ),
-    "choose_clusters": Field(
-        str,
-        None,
-        "override how clusters: auto picks C: silhouette of A or the largest dendrogram gap",
-        nullable=True,
-        choices=fcr.CHOOSERS,
-    ),
-    "gamma": Field(
-        float,
-        None,
-        "threshold A~ = [A <= gamma], in the units of A (null: the pipeline's: "
-        "none for 'set', whose graph is 'same cluster'; 1.0 for 'paper')",
-        nullable=True,
-        min=0,
-        open_min=True,
-    ),
-    "min_separation": Field(
-        float,
-        0.16,
-        "with choose_clusters silhouette: the best cut's clusters must be this far apart "
-        "(mean distance between clusters minus within, over the median distance between two "
-        "centroids), else the clients form one cluster (no structure)",
-        min=0.0,
-    ),
-    "min_silhouette": Field(
-        float,
-        0.0,
-        "with choose_clusters silhouette: below this best score the clients form one cluster",
-        min=-1.0,
-        max=1.0,
-    ),
-    "silhouette_slack": Field(
-        float,
-        0.02,
-        "with choose_clusters silhouette: the finest cut whose score "
-        "is within this of the best wins (merging two clusters costs more than "
-        "splitting one)",
-        min=0.0,
-        max=1.0,
-    ),
-}
+from flt.server.strategies.params import FLT as FLT_PARAMS
+from flt.server.strategies.params import check_flt, flt_pipeline
 
 
 class FLT(Strategy):
     name = "flt"
     DEVICE_OPS = ("train", "evaluate", "embed")  # embed: FCR's encoder and k-means (also PCA+kM+HC)
-    PARAMS = {
-        "encoder": section(ENCODER, "the ConvAE encoder"),
-        "k": Field(
-            (int, str), 5, "k-means centroids per client, or 'auto' (silhouette, per client)", rule=positive_or_auto
-        ),
-        "umap": section(UMAP, "UMAP projection of the centroids (when the space is 'umap')"),
-        **RELATEDNESS,
-        "adjacency": Field(
-            str,
-            "hard",
-            "Case I neighbours: the 0/1 graph A~, or soft weights exp(-(A/gamma)^2) (gamma null: the median of A)",
-            choices=("hard", "soft"),
-        ),
-        "aggregation": Field(
-            str, "case2", "case1: personalized graph; case2: FedAvg per cluster", choices=("case1", "case2")
-        ),
-        "clusters": Field((int, str), "auto", "C, or 'auto' (see choose_clusters)", rule=positive_or_auto),
-        "max_clusters": Field(int, 20, "upper bound when clusters is 'auto'", min=1),
-        "newcomers": Field(
-            str,
-            "nearest",
-            "place a newcomer in the cluster with the nearest mean embedding, or re-run FCR over everyone",
-            choices=("nearest", "recluster"),
-        ),
-        "recluster_flags": Field(
-            int,
-            None,
-            "lambda: re-run FCR when more than this many clients have an outstanding data-change flag (null: never)",
-            nullable=True,
-            min=0,
-        ),
-        "flag_patience": Field(
-            int,
-            2,
-            "with lambda set: a flag outstanding this many rounds re-runs FCR "
-            "even below lambda, so no drifted client is stranded",
-            min=1,
-        ),
-        "recluster_every": Field(
-            int, None, "tau: re-run FCR every tau rounds, everyone re-embedding (null: never)", nullable=True, min=1
-        ),
-        "monitor_cosine": Field(
-            float,
-            None,
-            "server-side monitor (case2): flag a client whose update's "
-            "cosine similarity to its cluster's mean update is below this "
-            "(null: off)",
-            nullable=True,
-            min=-1.0,
-            max=1.0,
-        ),
-    }
+    PARAMS = FLT_PARAMS  # server/strategies/params.py: every method's parameters, torch-free
 
     @classmethod
     def check_params(cls, params: dict) -> str | None:
-        """Cross-field rules the schema cannot say; returns the problem, or None."""
-        how = cls.pipeline(params)
-        if how.linkage == "ward_graph" and how.gamma is None:
-            return "linkage 'ward_graph' clusters the thresholded graph A~: set gamma"
-        return None
+        return check_flt(params)
 
     @classmethod
     def pipeline(cls, params: dict) -> fcr.Relatedness:
         """The preset with the scenario's overrides applied."""
-        base = fcr.PRESETS[params["relatedness"]]
-        over = {
-            "space": params["space"],
-            "distance": params["distance"],
-            "linkage": params["linkage"],
-            "choose": params["choose_clusters"],
-            "gamma": params["gamma"],
-        }
-        return replace(
-            base,
-            min_separation=params["min_separation"],
-            min_silhouette=params["min_silhouette"],
-            silhouette_slack=params["silhouette_slack"],
-            **{k: v for k, v in over.items() if v is not None},
-        )
+        return flt_pipeline(params)
 
     def __init__(self, ctx, **params):
         super().__init__(ctx, **params)

@@ -39,9 +39,10 @@ import logging
 import numpy as np
 import torch
 
-from flt.models.schema import Field, validate
+from flt.models.schema import validate
 from flt.server.fcr_report import agreement
 from flt.server.strategies.base import Result, Strategy, Task, cluster_average, one_hot, stack, weighted_average
+from flt.server.strategies.params import IFCA as IFCA_PARAMS
 
 log = logging.getLogger("flt.server")
 
@@ -49,16 +50,7 @@ log = logging.getLogger("flt.server")
 class IFCA(Strategy):
     name = "ifca"
     DEVICE_OPS = ("train", "train_best", "evaluate")
-    PARAMS = {
-        "clusters": Field(int, 5, "C, the number of cluster models", min=1),
-        "warmup_rounds": Field(int, 0, "FedAvg rounds (one model) before the C models are spawned", min=0),
-        "reinit_empty": Field(
-            bool, True, "re-draw a cluster no client belongs to from a perturbed copy of the largest cluster's model"
-        ),
-        "init_scale": Field(
-            float, 0.01, "std of the Gaussian perturbation that makes the C initial (and re-drawn) models differ", min=0
-        ),
-    }
+    PARAMS = IFCA_PARAMS  # server/strategies/params.py: every method's parameters, torch-free
 
     def __init__(self, ctx, **params):
         super().__init__(ctx, **validate(params, self.PARAMS, self.name))

@@ -26,14 +26,10 @@ from dataclasses import replace
 import numpy as np
 from sklearn.decomposition import PCA
 
-from flt.models.schema import Field, section, validate
+from flt.models.schema import validate
 from flt.server import fcr
-from flt.server.strategies.flt import ENCODER, FLT
-
-LINEAR = {
-    "dataset": ENCODER["dataset"],
-    "root": ENCODER["root"],
-}
+from flt.server.strategies.flt import FLT
+from flt.server.strategies.params import PCA_KM_HC
 
 
 def pca_basis(images: np.ndarray, components: int, seed: int) -> tuple[np.ndarray, np.ndarray, dict]:
@@ -52,31 +48,7 @@ def pca_basis(images: np.ndarray, components: int, seed: int) -> tuple[np.ndarra
 
 class PCAKMHC(FLT):
     name = "pca_km_hc"
-    PARAMS = {
-        **{k: v for k, v in FLT.PARAMS.items() if k not in ("umap", "space")},
-        "encoder": section(LINEAR, "where the PCA basis is fitted (the same public images as FLT's encoder)"),
-        "components": Field(
-            int, 128, "e, the number of principal components (capped by the public set size and the pixel count)", min=1
-        ),
-        "gamma": Field(
-            float,
-            None,
-            "threshold A~ = [A <= gamma] in PCA space; null: none for the "
-            "'set' pipeline, the gamma_quantile quantile of A for one that needs it",
-            min=0,
-            open_min=True,
-            nullable=True,
-        ),
-        "gamma_quantile": Field(
-            float,
-            0.2,
-            "quantile of A used as gamma when gamma is null "
-            "(about the fraction of clients each client links to; 1/C for C "
-            "balanced clusters)",
-            min=0,
-            max=1,
-        ),
-    }
+    PARAMS = PCA_KM_HC  # server/strategies/params.py: every method's parameters, torch-free
 
     def __init__(self, ctx, **params):
         super().__init__(ctx, **validate(params, self.PARAMS, self.name))

@@ -1,0 +1,368 @@
+"""Every method's parameters, and where its strategy lives: the schema a scenario's
+`methods` entries are checked against.
+
+This module imports no torch, scikit-learn or UMAP, so `flt run` can reject a mistake in a
+scenario file before it loads any of them (a typo answers in well under a second); a
+strategy's own module is imported only when a run builds it (`STRATEGIES`). Each
+strategy class names its schema here (`PARAMS = params.IFCA`), and FLT's relatedness
+presets live here too, since they are what its parameters select.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+from flt.models.schema import Field, section
+
+# -- FCR's relatedness pipelines (server/fcr.py runs them) ------------------------------
+SPACES = ("embedding", "umap")
+DISTANCES = ("chamfer", "hausdorff", "min")
+LINKAGES = ("average", "complete", "single", "ward", "ward_graph")  # ward: on A, as if Euclidean
+CHOOSERS = ("silhouette", "gap")
+
+
+@dataclass(frozen=True)
+class Relatedness:
+    """One FCR pipeline. gamma None: no threshold (the graph comes from the clusters)."""
+
+    space: str = "embedding"
+    distance: str = "chamfer"
+    linkage: str = "average"
+    choose: str = "silhouette"
+    gamma: float | None = None
+    # Measured on the FCR quality suite (benchmarks/README.md): IID clients of four
+    # datasets 0.07-0.13; every planted grouping the embedding separates 0.20-0.57.
+    min_separation: float = 0.16
+    min_silhouette: float = 0.0
+    silhouette_slack: float = 0.02
+
+    def __post_init__(self):
+        for name, value, allowed in (
+            ("space", self.space, SPACES),
+            ("distance", self.distance, DISTANCES),
+            ("linkage", self.linkage, LINKAGES),
+            ("choose", self.choose, CHOOSERS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name}: {value!r} is not one of {', '.join(allowed)}")
+
+
+PRESETS = {
+    "set": Relatedness(),
+    "paper": Relatedness(space="umap", distance="min", linkage="ward_graph", choose="gap", gamma=1.0),
+}
+
+
+# -- FLT --------------------------------------------------------------------------------
+ENCODER = {
+    "dataset": Field(
+        str,
+        "public",
+        "pretraining set: 'public' (held-out slice of the train split) "
+        "or another dataset's name (Enc2, e.g. fashion_mnist for mnist)",
+    ),
+    "root": Field(str, None, "data root of that dataset (default: the scenario's)", nullable=True),
+    "epochs": Field(int, 10, "pretraining epochs", min=1),
+    "lr": Field(float, 1e-3, "Adam learning rate", min=0, open_min=True),
+    "batch_size": Field(int, 64, "pretraining batch", min=1),
+    "latent": Field(int, 128, "embedding size e", min=1),
+    "finetune_epochs": Field(
+        int, 0, "J: clients fine-tune the autoencoder this many epochs (0 = frozen encoder sent as ONNX)", min=0
+    ),
+    "finetune_lr": Field(float, 1e-3, "clients' Adam learning rate for fine-tuning", min=0, open_min=True),
+    "finetune_batch": Field(int, 32, "clients' fine-tuning batch", min=1),
+}
+UMAP = {
+    "n_components": Field(int, 2, "u, the UMAP dimension", min=1),
+    "n_neighbors": Field(int, 15, "UMAP n_neighbors", min=2),
+    "min_dist": Field(float, 0.1, "UMAP min_dist", min=0),
+    "metric": Field(str, "euclidean", "UMAP metric"),
+}
+
+
+def positive_or_auto(value) -> str | None:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return None
+    return "a positive integer or 'auto'"
+
+
+RELATEDNESS = {
+    "relatedness": Field(
+        str,
+        "set",
+        "FCR pipeline: 'set' (symmetric Chamfer distance between clients' "
+        "centroid sets in the encoder's space, average linkage, C by silhouette: no "
+        "threshold, no per-dataset knob) or 'paper' (UMAP, closest-pair distance, "
+        "A~ = [A <= gamma], Ward on A~, C at the largest dendrogram gap)",
+        choices=tuple(PRESETS),
+    ),
+    "space": Field(
+        str,
+        None,
+        "override the pipeline's space: 'embedding' (the e-dim centroids) or 'umap'",
+        nullable=True,
+        choices=SPACES,
+    ),
+    "distance": Field(
+        str,
+        None,
+        "override A_ij between two clients' centroid sets: chamfer, hausdorff or min (the single closest pair)",
+        nullable=True,
+        choices=DISTANCES,
+    ),
+    "linkage": Field(
+        str,
+        None,
+        "override the clustering: average, complete, single or ward linkage on A, or "
+        "ward_graph (Ward on the rows of A~; needs gamma)",
+        nullable=True,
+        choices=LINKAGES,
+    ),
+    "choose_clusters": Field(
+        str,
+        None,
+        "override how clusters: auto picks C: silhouette of A or the largest dendrogram gap",
+        nullable=True,
+        choices=CHOOSERS,
+    ),
+    "gamma": Field(
+        float,
+        None,
+        "threshold A~ = [A <= gamma], in the units of A (null: the pipeline's: "
+        "none for 'set', whose graph is 'same cluster'; 1.0 for 'paper')",
+        nullable=True,
+        min=0,
+        open_min=True,
+    ),
+    "min_separation": Field(
+        float,
+        0.16,
+        "with choose_clusters silhouette: the best cut's clusters must be this far apart "
+        "(mean distance between clusters minus within, over the median distance between two "
+        "centroids), else the clients form one cluster (no structure)",
+        min=0.0,
+    ),
+    "min_silhouette": Field(
+        float,
+        0.0,
+        "with choose_clusters silhouette: below this best score the clients form one cluster",
+        min=-1.0,
+        max=1.0,
+    ),
+    "silhouette_slack": Field(
+        float,
+        0.02,
+        "with choose_clusters silhouette: the finest cut whose score "
+        "is within this of the best wins (merging two clusters costs more than "
+        "splitting one)",
+        min=0.0,
+        max=1.0,
+    ),
+}
+
+FLT = {
+    "encoder": section(ENCODER, "the ConvAE encoder"),
+    "k": Field(
+        (int, str), 5, "k-means centroids per client, or 'auto' (silhouette, per client)", rule=positive_or_auto
+    ),
+    "umap": section(UMAP, "UMAP projection of the centroids (when the space is 'umap')"),
+    **RELATEDNESS,
+    "adjacency": Field(
+        str,
+        "hard",
+        "Case I neighbours: the 0/1 graph A~, or soft weights exp(-(A/gamma)^2) (gamma null: the median of A)",
+        choices=("hard", "soft"),
+    ),
+    "aggregation": Field(
+        str, "case2", "case1: personalized graph; case2: FedAvg per cluster", choices=("case1", "case2")
+    ),
+    "clusters": Field((int, str), "auto", "C, or 'auto' (see choose_clusters)", rule=positive_or_auto),
+    "max_clusters": Field(int, 20, "upper bound when clusters is 'auto'", min=1),
+    "newcomers": Field(
+        str,
+        "nearest",
+        "place a newcomer in the cluster with the nearest mean embedding, or re-run FCR over everyone",
+        choices=("nearest", "recluster"),
+    ),
+    "recluster_flags": Field(
+        int,
+        None,
+        "lambda: re-run FCR when more than this many clients have an outstanding data-change flag (null: never)",
+        nullable=True,
+        min=0,
+    ),
+    "flag_patience": Field(
+        int,
+        2,
+        "with lambda set: a flag outstanding this many rounds re-runs FCR "
+        "even below lambda, so no drifted client is stranded",
+        min=1,
+    ),
+    "recluster_every": Field(
+        int, None, "tau: re-run FCR every tau rounds, everyone re-embedding (null: never)", nullable=True, min=1
+    ),
+    "monitor_cosine": Field(
+        float,
+        None,
+        "server-side monitor (case2): flag a client whose update's "
+        "cosine similarity to its cluster's mean update is below this "
+        "(null: off)",
+        nullable=True,
+        min=-1.0,
+        max=1.0,
+    ),
+}
+
+
+def flt_pipeline(params: dict) -> Relatedness:
+    """The preset with the scenario's overrides applied."""
+    base = PRESETS[params["relatedness"]]
+    over = {
+        "space": params["space"],
+        "distance": params["distance"],
+        "linkage": params["linkage"],
+        "choose": params["choose_clusters"],
+        "gamma": params["gamma"],
+    }
+    return replace(
+        base,
+        min_separation=params["min_separation"],
+        min_silhouette=params["min_silhouette"],
+        silhouette_slack=params["silhouette_slack"],
+        **{k: v for k, v in over.items() if v is not None},
+    )
+
+
+def check_flt(params: dict) -> str | None:
+    """Cross-field rules the schema cannot say; returns the problem, or None."""
+    how = flt_pipeline(params)
+    if how.linkage == "ward_graph" and how.gamma is None:
+        return "linkage 'ward_graph' clusters the thresholded graph A~: set gamma"
+    return None
+
+
+# -- PCA+kM+HC --------------------------------------------------------------------------
+LINEAR = {
+    "dataset": ENCODER["dataset"],
+    "root": ENCODER["root"],
+}
+PCA_KM_HC = {
+    **{k: v for k, v in FLT.items() if k not in ("umap", "space")},
+    "encoder": section(LINEAR, "where the PCA basis is fitted (the same public images as FLT's encoder)"),
+    "components": Field(
+        int, 128, "e, the number of principal components (capped by the public set size and the pixel count)", min=1
+    ),
+    "gamma": Field(
+        float,
+        None,
+        "threshold A~ = [A <= gamma] in PCA space; null: none for the "
+        "'set' pipeline, the gamma_quantile quantile of A for one that needs it",
+        min=0,
+        open_min=True,
+        nullable=True,
+    ),
+    "gamma_quantile": Field(
+        float,
+        0.2,
+        "quantile of A used as gamma when gamma is null "
+        "(about the fraction of clients each client links to; 1/C for C "
+        "balanced clusters)",
+        min=0,
+        max=1,
+    ),
+}
+
+
+# -- FedProx -----------------------------------------------------------------------------
+FEDPROX = {
+    "mu": Field(
+        float,
+        0.01,
+        "proximal coefficient mu of (mu/2)||w - w_t||^2 (the paper tunes mu in {0.001, 0.01, 0.1, 1}; 0 = FedAvg)",
+        min=0,
+    ),
+}
+
+
+# -- IFCA --------------------------------------------------------------------------------
+IFCA = {
+    "clusters": Field(int, 5, "C, the number of cluster models", min=1),
+    "warmup_rounds": Field(int, 0, "FedAvg rounds (one model) before the C models are spawned", min=0),
+    "reinit_empty": Field(
+        bool, True, "re-draw a cluster no client belongs to from a perturbed copy of the largest cluster's model"
+    ),
+    "init_scale": Field(
+        float, 0.01, "std of the Gaussian perturbation that makes the C initial (and re-drawn) models differ", min=0
+    ),
+}
+
+
+# -- FedSEM ------------------------------------------------------------------------------
+FEDSEM = {
+    "centers": Field(int, 5, "K, the number of centre models", min=1),
+    "reassign_every": Field(
+        int,
+        1,
+        "re-assign returned models to their nearest centre every this many rounds (1: every round, as in the paper)",
+        min=1,
+    ),
+    "init": Field(
+        str,
+        "random_clients",
+        "centre initialisation: k-means++-style seeded pick among the first round's returned models",
+        choices=("random_clients",),
+    ),
+}
+
+
+# -- FeSEM (soft) ------------------------------------------------------------------------
+FESEM_SOFT = {
+    **FEDSEM,
+    "temperature": Field(
+        float,
+        0.1,
+        "T of the soft E-step, in units of the round's mean squared "
+        "model-centre distance (-> 0: FedSEM's hard assignment)",
+        min=0,
+        open_min=True,
+    ),
+}
+
+
+# -- CFL ---------------------------------------------------------------------------------
+CFL = {
+    "eps1": Field(float, 0.4, "split only when the norm of the cluster's mean update is below this", min=0),
+    "eps2": Field(
+        float, 1.6, "split only when the largest client update norm is above this (and the eps1 test holds)", min=0
+    ),
+    "warmup_rounds": Field(int, 20, "no split in rounds 1..warmup_rounds", min=0),
+    "min_cluster_size": Field(
+        int, 2, "split only a cluster with more than this many returned clients (authors' code: len > 2)", min=1
+    ),
+}
+
+
+# -- the registry ---------------------------------------------------------------------
+class Method(NamedTuple):
+    """A method as a scenario names it: its strategy's module and class (imported when a
+    run builds it), its parameters, and its cross-field check (None: none)."""
+
+    module: str
+    cls: str
+    params: dict[str, Field]
+    check: Callable[[dict], str | None] | None = None
+
+
+METHODS = {
+    "fedavg": Method("flt.server.strategies.fedavg", "FedAvg", {}),
+    "fedprox": Method("flt.server.strategies.fedprox", "FedProx", FEDPROX),
+    "local": Method("flt.server.strategies.local", "Local", {}),
+    "flt": Method("flt.server.strategies.flt", "FLT", FLT, check_flt),
+    "pca_km_hc": Method("flt.server.strategies.pca_km_hc", "PCAKMHC", PCA_KM_HC),  # ward_graph: gamma by quantile
+    "ifca": Method("flt.server.strategies.ifca", "IFCA", IFCA),
+    "fedsem": Method("flt.server.strategies.fedsem", "FedSEM", FEDSEM),
+    "fesem_soft": Method("flt.server.strategies.fesem_soft", "FeSEMSoft", FESEM_SOFT),
+    "cfl": Method("flt.server.strategies.cfl", "CFL", CFL),
+}
