@@ -25,7 +25,9 @@ Measures, in one run (against reference figures measured on a 2-core machine):
       agree round by round within about 1 point (tests/test_fedavg_reference.py checks
       both against FedAvg by hand).
   (c) the device trainer alone: devices.trainer.CohortTrainer.train on one cohort of
-      20 clients x 600 MNIST samples, vectorize=True vs vectorize=False (same batches).
+      20 clients x 600 MNIST samples with the MLP (the cohort path, _StackSGD on a CPU;
+      vmap(grad) forced; the per-client loop, all with the same batches), and the CIFAR
+      CNN on 20 clients x 450 images (vmap(grad) and the loop; auto takes the loop there).
 
 Run from anywhere (paths are resolved against the repository root):
 
@@ -262,15 +264,14 @@ def mean_client_accuracy(model: torch.nn.Module, shards) -> float:
 
 
 # ----------------------------------------------------------------------------- (c) trainer
-def run_trainer(shards, spec: dict, args, threads: int) -> dict:
-    from flt.devices.trainer import CohortTrainer, TrainConfig
-    from flt.models.flat import flatten, param_spec
-    from flt.models.nets import build_model
+# the cohort trainer's modes: "cohort" is what vectorize=True runs (for the MLP on a CPU
+# the hand-written _StackSGD; for a CNN vmap(grad)), "vmap" forces vmap(grad), "loop" is the
+# per-client reference with the same batches
+TRAINER_MODES = {"mlp": ("cohort", "vmap", "loop"), "cifar_cnn": ("vmap", "loop")}
 
-    torch.set_num_threads(threads)
-    torch.manual_seed(args.seed)
-    model = build_model(spec["name"], tuple(spec["in_shape"]), spec["num_classes"])
-    trainer = CohortTrainer(model, param_spec(model))
+
+def run_trainer(shards, spec: dict, args, threads: int) -> dict:
+    """The MLP row: B clients x N samples of the S1 shards."""
     # one cohort of B clients x N samples: consecutive N-sample slices of the S1 client shards
     # laid end to end (S1 clients hold 564-600 each, so a slice is mostly one client's data)
     pool_x = torch.cat([s[0] for s in shards])
@@ -280,21 +281,52 @@ def run_trainer(shards, spec: dict, args, threads: int) -> dict:
         sys.exit(f"error: --trainer-clients x --trainer-samples = {b * n} exceeds the {len(pool_y)} samples")
     xs = [pool_x[i * n : (i + 1) * n] for i in range(b)]
     ys = [pool_y[i * n : (i + 1) * n] for i in range(b)]
+    return time_trainer(spec, xs, ys, args, threads)
+
+
+def run_cnn_trainer(args, threads: int, clients: int = 20, samples: int = 450) -> dict:
+    """The CNN row: the CIFAR CNN on 20 clients x 450 images (random pixels: speed only)."""
+    g = torch.Generator().manual_seed(args.seed)
+    xs = [torch.rand(samples, 3, 32, 32, generator=g) for _ in range(clients)]
+    ys = [torch.randint(0, 10, (samples,), generator=g) for _ in range(clients)]
+    spec = {"name": "cifar_cnn", "in_shape": [3, 32, 32], "num_classes": 10}
+    return time_trainer(spec, xs, ys, args, threads, reps=max(1, args.trainer_reps // 2))
+
+
+def time_trainer(spec: dict, xs, ys, args, threads: int, reps: int | None = None) -> dict:
+    from flt.devices import trainer as trainer_module
+    from flt.devices.trainer import CohortTrainer, TrainConfig
+    from flt.models.flat import flatten, param_spec
+    from flt.models.nets import build_model
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(args.seed)
+    model = build_model(spec["name"], tuple(spec["in_shape"]), spec["num_classes"])
+    trainer = CohortTrainer(model, param_spec(model))
+    b, reps = len(xs), reps or args.trainer_reps
     start = flatten(model).expand(b, -1).clone()
     base = TrainConfig(epochs=1, batch_size=10, lr=0.01)
-    out = {"threads": threads, "clients": b, "samples": n, "reps": args.trainer_reps}
-    for mode, vec in (("vmap", True), ("loop", False)):
-        cfg = replace(base, vectorize=vec)
-        trainer.train(start, xs, ys, cfg, torch.Generator().manual_seed(12345))  # warm-up
-        times, losses = [], []
-        for rep in range(args.trainer_reps):
-            gen = torch.Generator().manual_seed(args.seed * 1000 + rep)  # same batches in both modes
-            tic = time.perf_counter()
-            _, loss = trainer.train(start, xs, ys, cfg, gen)
-            times.append(time.perf_counter() - tic)
-            losses.append(float(loss.mean()))
-        out[mode] = {"per_call_s": times, "median_s": median(times), "mean_loss": float(np.mean(losses))}
-    out["loop_over_vmap"] = ratio(out["loop"]["median_s"], out["vmap"]["median_s"])
+    out = {"model": spec["name"], "threads": threads, "clients": b, "samples": len(xs[0]), "reps": reps}
+    fits = trainer_module._StackSGD.fits
+    try:
+        for mode in TRAINER_MODES[spec["name"]]:
+            cfg = replace(base, vectorize=mode != "loop")
+            if mode == "vmap":  # vmap(grad) even where the hand-written backward would take over
+                trainer_module._StackSGD.fits = classmethod(lambda cls, model, cfg: False)  # type: ignore[assignment]
+            trainer.train(start, xs, ys, cfg, torch.Generator().manual_seed(12345))  # warm-up
+            times, losses = [], []
+            for rep in range(reps):
+                gen = torch.Generator().manual_seed(args.seed * 1000 + rep)  # same batches in every mode
+                tic = time.perf_counter()
+                _, loss = trainer.train(start, xs, ys, cfg, gen)
+                times.append(time.perf_counter() - tic)
+                losses.append(float(loss.mean()))
+            trainer_module._StackSGD.fits = fits  # type: ignore[assignment]
+            out[mode] = {"per_call_s": times, "median_s": median(times), "mean_loss": float(np.mean(losses))}
+    finally:
+        trainer_module._StackSGD.fits = fits  # type: ignore[assignment]
+    fastest = min(out[m]["median_s"] for m in TRAINER_MODES[spec["name"]] if m != "loop")
+    out["loop_over_fastest"] = ratio(out["loop"]["median_s"], fastest)
     return out
 
 
@@ -392,7 +424,9 @@ def main(argv=None) -> int:
                 print(
                     f"(c) CohortTrainer {args.trainer_clients} x {args.trainer_samples}, {th} thread(s) ...", flush=True
                 )
-                tr[f"threads_{th}"] = run_trainer(shards, spec, args, th)
+                tr[f"mlp_threads_{th}"] = run_trainer(shards, spec, args, th)
+                print(f"(c) CohortTrainer, CIFAR CNN 20 x 450, {th} thread(s) ...", flush=True)
+                tr[f"cifar_cnn_threads_{th}"] = run_cnn_trainer(args, th)
             results["trainer"] = tr
     finally:
         if args.keep_runs:
@@ -406,7 +440,7 @@ def main(argv=None) -> int:
     for k, r in ref.items():
         ratios[f"reference_{k}_over_emulator"] = ratio(r["median_round_s"], emu_s)
     for k, t in tr.items():
-        ratios[f"trainer_{k}_loop_over_vmap"] = t["loop_over_vmap"]
+        ratios[f"trainer_{k}_loop_over_fastest"] = t["loop_over_fastest"]
     for name, fig in REFERENCE_FIGURES.items():
         ratios[f"design[{name}]_over_emulator"] = ratio(fig, emu_s)
     if "eval_every_round" in emu:
@@ -430,10 +464,10 @@ def main(argv=None) -> int:
             "  (reference / emulator)"
         )
     for t in tr.values():
-        for mode in ("vmap", "loop"):
-            what = f"(c) CohortTrainer {t['clients']}x{t['samples']} {mode}, {t['threads']} thread(s)"
-            rat = f"{fmt(t['loop_over_vmap'], 'x')}x  (loop / vmap)" if mode == "loop" else ""
-            print(f"  {what:58s} {fmt(t[mode]['median_s'])} {rat}")
+        for mode in TRAINER_MODES[t["model"]]:
+            what = f"(c) {t['model']} {t['clients']}x{t['samples']} {mode}, {t['threads']} thread(s)"
+            rat = f"{fmt(ratio(t['loop']['median_s'], t[mode]['median_s']), 'x')}x  (loop / this)"
+            print(f"  {what:58s} {fmt(t[mode]['median_s'])} {rat if mode != 'loop' else ''}")
     print("  reference figures (2-core machine), for context:")
     for name, fig in REFERENCE_FIGURES.items():
         print(f"  {'    ' + name:58s} {fmt(fig)} {fmt(ratio(fig, emu_s), 'x')}x  (figure / emulator)")

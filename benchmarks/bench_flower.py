@@ -214,7 +214,32 @@ def print_table(args, runs: dict, flower_note: str | None) -> dict:
         print(f"  {labels[part]:40s}{cells}{'-' if acc is None else f'{acc:.2f}':>11s}")
     if flower_note:
         print(f"  note: {flower_note}")
+    print(guard(runs))
     return ratios
+
+
+# Issue 21's targets, each a ratio of the emulator's figure to another measured in this run
+TARGETS = [
+    ("median_round_s", "loop", 0.5, "s/round at most 0.5x the 1-thread loop"),
+    ("median_round_s", "flower", 0.3, "s/round at most 0.3x Flower"),
+    ("round1_end_s", "flower", 0.5, "start to end of round 1 at most 0.5x Flower"),
+]
+
+
+def guard(runs: dict) -> str:
+    """The regression guard: one line that says whether the emulator still beats the plain
+    loop it exists to beat, and each target it misses, measured in this same run."""
+    emu, lines = runs["emulator"], []
+    if runs.get("loop") and emu["median_round_s"] >= runs["loop"]["median_round_s"]:
+        lines.append(
+            f"REGRESSION: the emulator ({emu['median_round_s']:.3f} s/round) is no faster than the one-process "
+            f"loop ({runs['loop']['median_round_s']:.3f} s/round) measured in this run"
+        )
+    for key, other, limit, what in TARGETS:
+        if other in runs and runs[other].get(key) and emu.get(key) is not None:
+            r = emu[key] / runs[other][key]
+            lines.append(f"{'ok' if r <= limit else 'MISSED'}: {what} ({r:.2f}x)")
+    return "\n".join(f"  {line}" for line in lines)
 
 
 def main(argv=None) -> int:
