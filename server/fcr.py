@@ -43,7 +43,8 @@ from scipy.cluster.hierarchy import fcluster, leaves_list, linkage
 from scipy.spatial.distance import pdist, squareform
 from sklearn.metrics import silhouette_score
 
-# the pipelines' knobs and presets are FLT's parameters: they live with them, torch-free
+# the pipelines' knobs and presets are FLT's parameters: they live with them, torch-free (and
+# stay importable from here: a checkpoint written before the move names flt.server.fcr:Relatedness)
 from flt.server.strategies.params import CHOOSERS, DISTANCES, LINKAGES, PRESETS, SPACES, Relatedness  # noqa: F401
 
 

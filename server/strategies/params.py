@@ -4,7 +4,7 @@
 This module imports no torch, scikit-learn or UMAP, so `flt run` can reject a mistake in a
 scenario file before it loads any of them (a typo answers in well under a second); a
 strategy's own module is imported only when a run builds it (`STRATEGIES`). Each
-strategy class names its schema here (`PARAMS = params.IFCA`), and FLT's relatedness
+strategy class takes its schema from here (`PARAMS = IFCA_PARAMS`), and FLT's relatedness
 presets live here too, since they are what its parameters select.
 """
 
