@@ -181,56 +181,46 @@ class CohortTrainer:
         return loss
 
     def _train_vmap(self, start, xs, ys, cfg, gens):
-        if start.device.type == "cpu" and _StackSGD.fits(self.model, cfg):
-            return self._train_stack(start, xs, ys, cfg, gens)
         flat = start.clone().float()
         params, anchor = unflatten(flat, self.spec), unflatten(start.float(), self.spec)
+        if start.device.type == "cpu" and _StackSGD.fits(self.model, cfg):
+            # the MLP on a CPU: the same SGD without a gradient the size of the cohort's models
+            stack = _StackSGD(self.model, params, anchor, cfg)
+            return flat, self._cohort_sgd(xs, ys, cfg, gens, stack.step)
+        # "error": any random op left in the model would draw from a generator the whole
+        # cohort shares, and make a client's result depend on its cohort
+        grads_of = vmap(grad(self._loss_fn(cfg), has_aux=True), randomness="error")
+        opt = _StackedOptimizer(flat, cfg)
+
+        def step(x, y, w, noise):
+            grads, loss = grads_of(params, anchor, x, y, w, noise)
+            opt.step(grads, params, w.sum(1) > 0)
+            return loss
+
+        return flat, self._cohort_sgd(xs, ys, cfg, gens, step)
+
+    def _cohort_sgd(self, xs, ys, cfg, gens, step) -> torch.Tensor:
+        """Every SGD step of the cohort, `step(x [B, b, ...], y [B, b], w [B, b], noise)`
+        training all clients in place; returns each client's mean loss [B]. Batches and
+        dropout noise are drawn on the CPU from each client's generator (a GPU run draws the
+        same) as _train_loop draws them; padding has weight 0."""
         xpad, lengths = _pad(xs)
         ypad, _ = _pad(ys)
         dev = xpad.device  # the cohort's data decides: CPU, or the GPU it was moved to
         rows = torch.arange(len(xs), device=dev)[:, None]
-        # "error": any random op left in the model would draw from a generator the whole
-        # cohort shares, and make a client's result depend on its cohort
-        step = vmap(grad(self._loss_fn(cfg), has_aux=True), randomness="error")
-        opt = _StackedOptimizer(flat, cfg)
         total, count = torch.zeros(len(xs), device=dev), torch.zeros(len(xs), device=dev)
         for _ in range(cfg.epochs):
-            # drawn on the CPU from each client's generator, so a GPU run draws the same
             order, weight = (t.to(dev) for t in epoch_batches(lengths, cfg.batch_size, gens))
-            noise = {
-                k: v.to(dev) for k, v in self._epoch_noise(lengths, order.shape[1], cfg.batch_size, gens, xs[0]).items()
-            }
-            self.model.train()
-            for s in range(order.shape[1]):
-                idx, w = order[:, s], weight[:, s]
-                grads, loss = step(
-                    params, anchor, xpad[rows, idx], ypad[rows, idx], w, {k: v[:, s] for k, v in noise.items()}
-                )
-                active = w.sum(1) > 0
-                opt.step(grads, params, active)
-                total += loss * active
-                count += active
-        return flat, total / count.clamp(min=1)
-
-    def _train_stack(self, start, xs, ys, cfg, gens):
-        """The cohort's SGD through `_StackSGD`: the same batches, dropout masks and
-        updates as the vmap path, without a gradient the size of the cohort's models."""
-        flat = start.clone().float()
-        stack = _StackSGD(self.model, unflatten(flat, self.spec), unflatten(start.float(), self.spec), cfg)
-        xpad, lengths = _pad(xs)
-        ypad, _ = _pad(ys)
-        rows = torch.arange(len(xs))[:, None]
-        total, count = torch.zeros(len(xs)), torch.zeros(len(xs))
-        for _ in range(cfg.epochs):
-            order, weight = epoch_batches(lengths, cfg.batch_size, gens)
             noise = self._epoch_noise(lengths, order.shape[1], cfg.batch_size, gens, xs[0])
+            noise = {k: v.to(dev) for k, v in noise.items()}
+            self.model.train()  # after _epoch_noise, whose first call runs the model in eval mode
             for s in range(order.shape[1]):
                 idx, w = order[:, s], weight[:, s]
-                loss = stack.step(xpad[rows, idx], ypad[rows, idx], w, {k: v[:, s] for k, v in noise.items()})
+                loss = step(xpad[rows, idx], ypad[rows, idx], w, {k: v[:, s] for k, v in noise.items()})
                 active = w.sum(1) > 0
                 total += loss * active
                 count += active
-        return flat, total / count.clamp(min=1)
+        return total / count.clamp(min=1)
 
     def _train_loop(self, start, xs, ys, cfg, gens):
         """Reference: one client at a time, torch.optim, same batches and dropout masks
