@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +39,10 @@ def fedavg_running(out: Path, timeout: float = 300) -> subprocess.Popen:
             raise AssertionError("the run never reached round 1")
         time.sleep(0.05)
     return proc
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now, for a server the test binds itself."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -4,7 +4,6 @@ CURVE keys are real (made by `flt keys`); peers are separate Python processes, e
 real device program or a few lines of pyzmq playing a stranger."""
 
 import json
-import socket
 import stat
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from flt_command import flt, flt_popen  # tests/ is on sys.path under pytest
+from flt_command import flt, flt_popen, free_port  # tests/ is on sys.path under pytest
 
 from flt.models import keys
 from flt.models.wire import Message
@@ -284,12 +283,6 @@ def test_curve_frames_up_to_the_inbound_limit_still_arrive(key_dir):
 
 
 # -- whole runs --------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _accuracies(run_dir: Path) -> list:
     rows = (run_dir / "fedavg" / "metrics.jsonl").read_text().splitlines()
     return [(r["round"], r.get("acc_mean")) for r in map(json.loads, rows)]
@@ -311,7 +304,7 @@ def test_strangers_during_start_up_cannot_fail_the_run_or_take_a_name(clean_run,
     """Loopback without CURVE (the default there): a stranger claims dev-0 before the real
     dev-0 starts, another claims a free name, both stay or leave; the run finishes with the
     clean run's accuracies and counts exactly those refusals."""
-    port = _free_port()
+    port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
     squatter = peer(endpoint, [{"name": "dev-0"}], hold_s=60)
     hit_and_run = peer(endpoint, [{"name": "intruder", "pid": 1}], hold_s=0.0)
@@ -346,7 +339,7 @@ def test_a_run_over_curve_admits_only_allowed_keys_and_matches_the_clean_run(cle
     """devices.security: curve on loopback: one local device (fresh per-run key) and one
     started by hand with edge-0's key; a second process with edge-0's key is refused as a
     duplicate, a rogue key is denied, a client without CURVE fails its handshake."""
-    port = _free_port()
+    port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
     keys.write_keypair(tmp_path, "rogue")
     dev = [

@@ -5,7 +5,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from flt_command import flt, flt_popen  # tests/ is on sys.path under pytest
+from flt_command import flt, flt_popen, free_port  # tests/ is on sys.path under pytest
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
@@ -151,15 +151,12 @@ def test_a_device_started_by_hand_joins_over_tcp(tmp_path):
     """The path to real edge devices: one local device process plus one started by hand
     with `flt device --connect`, as on another host. An external device means CURVE by
     default, on loopback too, so the README's way: keys first."""
-    import socket
     import time
 
     keys = tmp_path / "keys"
     assert flt("keys", str(keys), "--devices", "1").returncode == 0
 
-    with socket.socket() as s:  # a free port for the server to bind
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # for the server to bind
     run = flt_popen(
         "run",
         str(QUICKSTART),

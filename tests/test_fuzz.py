@@ -4,12 +4,12 @@ crafted cases of issue 9. The run must complete, count every message the peer se
 reason, and report exactly what a clean run with the same seed reports."""
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from flt_command import free_port  # tests/ is on sys.path under pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ROUNDS = 16  # long enough after round 1 for the server to read all the peer sends
@@ -26,12 +26,6 @@ UNEQUAL = {
     "rejected_bytes",
     "rejected_reasons",
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(out: Path, port: int) -> subprocess.Popen:
@@ -67,7 +61,7 @@ def _results(out: Path) -> tuple[dict, list[dict]]:
 
 @pytest.fixture(scope="module")
 def fuzzed(tmp_path_factory):
-    out, port = tmp_path_factory.mktemp("fuzzed"), _free_port()
+    out, port = tmp_path_factory.mktemp("fuzzed"), free_port()
     report = out.parent / "fuzz_report.json"
     run = _run(out, port)
     peer = subprocess.Popen(
@@ -114,7 +108,7 @@ def test_a_fuzzed_run_completes_and_counts_every_message_by_reason(fuzzed):
 @pytest.mark.slow
 def test_a_fuzzed_run_reports_exactly_what_a_clean_run_reports(fuzzed, tmp_path):
     out, _, _ = fuzzed
-    clean = _run(tmp_path, _free_port())
+    clean = _run(tmp_path, free_port())
     log, _ = clean.communicate(timeout=600)
     assert clean.returncode == 0, log[-3000:]
     fuzzed_summary, fuzzed_rows = _results(out)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from subprocess import PIPE
 
 import numpy as np
 import pytest
-from flt_command import QUICKSTART, fedavg_running, flt_popen  # tests/ is on sys.path under pytest
+from flt_command import QUICKSTART, fedavg_running, flt_popen, free_port  # tests/ is on sys.path under pytest
 
 from flt.emulator.config import load
 from flt.models.schema import ConfigError
@@ -31,12 +30,6 @@ from flt.server.auth import gate_for, uses_curve
 ROGUE = Path(__file__).with_name("rogue_device.py")
 ROUND_TIMEOUT_S = 3  # the embedding waits 4x this; the rogue has preloaded what a forked device has
 ROGUE_CLIENTS = list(range(10, 20))  # the second of two devices hosts the second half of 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rogue_sets(port: int, *sets: str) -> list[str]:
@@ -80,7 +73,7 @@ def finish(run: subprocess.Popen, rogue: subprocess.Popen) -> tuple[subprocess.C
 def run_with_rogue(out: Path, mode: str, spoil: str, *sets: str) -> tuple[subprocess.CompletedProcess, str]:
     """FLT on the quickstart (2 rounds) with one local device and the rogue; returns the
     emulator's result and the rogue's log."""
-    port = _free_port()
+    port = free_port()
     run = flt_popen(
         "run", str(QUICKSTART), *rogue_sets(port, *sets), "--out", str(out), stdout=PIPE, stderr=PIPE, text=True
     )
@@ -154,7 +147,7 @@ def test_a_run_ends_with_one_line_and_exit_3_when_no_device_can_load_its_clients
 def test_resume_says_which_clients_the_checkpoint_lacks(tmp_path):
     """Local, with a rogue that never reports its clients' state: killed, then resumed
     (with the rogue back), the run says whose device state it resumes without."""
-    port, out = _free_port(), tmp_path / "killed"
+    port, out = free_port(), tmp_path / "killed"
     sets = rogue_sets(port, "methods=[local]", "train.rounds=6")
     run = flt_popen("run", str(QUICKSTART), *sets, "--out", str(out), stdout=PIPE, stderr=PIPE, text=True)
     rogue = start_rogue(port, "missing", "state", times=1000)
