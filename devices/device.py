@@ -35,6 +35,7 @@ from flt.models.keys import Credentials, HandshakeWatch
 from flt.models.nets import build_model
 from flt.models.wire import Message, ProtocolError, decode, encode
 from flt.scenarios.datasets import load_shared
+from flt.scenarios.shift import ClientShift, client_shifts
 
 log = logging.getLogger("flt.device")
 
@@ -51,14 +52,17 @@ class Shard:
     test_images: Images
     idx_test: torch.Tensor
     y_test: torch.Tensor
+    shift: ClientShift | None = None  # feature shift, applied to each float copy
 
     @property
     def x(self) -> torch.Tensor:
-        return self.images.floats(self.idx)
+        x = self.images.floats(self.idx)
+        return x if self.shift is None else self.shift.images(x, split=0)
 
     @property
     def x_test(self) -> torch.Tensor:
-        return self.test_images.floats(self.idx_test)
+        x = self.test_images.floats(self.idx_test)
+        return x if self.shift is None else self.shift.images(x, split=1)
 
 
 def process_gone(pid: int) -> bool:
@@ -194,8 +198,9 @@ class Device:
         train = self._dataset(spec["dataset"]["name"], root, True, spec["dataset"].get("download", False))
         test = self._dataset(spec["dataset"]["name"], root, False, spec["dataset"].get("download", False))
         self.splits = (train, test)
+        shifts = client_shifts(spec.get("shift"), t, t["clients"])
         for cid, tr, te in zip(t["clients"], _split(t, "train"), _split(t, "test"), strict=True):
-            self.shards[int(cid)] = _shard(train, test, tr, te)
+            self.shards[int(cid)] = _shard(train, test, tr, te, shifts.get(int(cid)))
         m = spec["model"]
         model = build_model(m["name"], tuple(m["in_shape"]), m["num_classes"])
         self.trainer = CohortTrainer(model.to(self.accel), param_spec(model))
@@ -223,7 +228,8 @@ class Device:
         if msg.client not in self.shards:
             raise KeyError(f"drift for client {msg.client}, which {self.name} does not host")
         train, test = self.splits
-        shard = _shard(train, test, msg.tensors["train"], msg.tensors["test"])
+        shifts = client_shifts(msg.meta.get("shift"), msg.tensors, [msg.client])
+        shard = _shard(train, test, msg.tensors["train"], msg.tensors["test"], shifts.get(msg.client))
         if "label_swap" in msg.meta:  # concept shift: two classes trade labels
             i, j = msg.meta["label_swap"]
             old = self.shards[msg.client]
@@ -332,11 +338,16 @@ def _split(t: dict, name: str) -> list[np.ndarray]:
     return np.split(t[f"{name}_idx"], t[f"{name}_offsets"][1:-1])
 
 
-def _shard(train, test, tr_idx, te_idx) -> Shard:
+def _shard(train, test, tr_idx, te_idx, shift: ClientShift | None = None) -> Shard:
+    """A client's shard; a concept shift relabels its own label copies, once."""
     (x, y), (xt, yt) = train, test
     tr = torch.as_tensor(np.asarray(tr_idx, dtype=np.int64), device=x.device)
     te = torch.as_tensor(np.asarray(te_idx, dtype=np.int64), device=xt.device)
-    return Shard(x, tr, y[tr].long(), xt, te, yt[te].long())
+    y_tr, y_te = y[tr].long(), yt[te].long()
+    if shift is not None:
+        y_tr, y_te = shift.labels(y_tr), shift.labels(y_te)
+        shift = shift if shift.kind != "labels" else None  # nothing left to do to the images
+    return Shard(x, tr, y_tr, xt, te, y_te, shift)
 
 
 def set_process_title(title: str) -> None:

@@ -101,6 +101,17 @@ def centroids(emb: np.ndarray, k, seed: int, k_max: int = 10) -> np.ndarray:
     return km.cluster_centers_.astype(np.float32)
 
 
+def label_means(emb: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Label-conditioned centroids: the mean embedding of each class the client holds,
+    as rows [mean, class] (k x (e + 1)); the server compares clients class by class, so
+    two clients whose labels mean different things (concept shift) are far apart."""
+    classes, inverse = np.unique(y, return_inverse=True)
+    sums = np.zeros((len(classes), emb.shape[1]), np.float64)
+    np.add.at(sums, inverse, emb)
+    means = sums / np.bincount(inverse)[:, None]
+    return np.hstack([means, classes[:, None]]).astype(np.float32)
+
+
 def _auto_k(emb, seed, k_max):
     if k_max < 2:
         return 1

@@ -226,7 +226,8 @@ def evaluate(device: Device, batch: list[Message], slice_size: int = 256) -> lis
 @register("embed")
 def embed(device: Device, batch: list[Message]) -> list[Message]:
     """FCR: embed the client's data with the encoder sent (ONNX, a PCA basis, or an
-    autoencoder to fine-tune first), then send k seeded k-means centroids."""
+    autoencoder to fine-tune first), then send k seeded k-means centroids (or, with
+    k = "labels", one mean per class it holds, its class in a last column)."""
     from flt.devices.device import client_seed
 
     meta, t = batch[0].meta, batch[0].tensors
@@ -241,7 +242,10 @@ def embed(device: Device, batch: list[Message]) -> list[Message]:
         embs = embedding.embed_finetuned(t["weights"], meta, xs, generators(batch))
     out = []
     for m, e in zip(batch, embs, strict=True):
-        c = embedding.centroids(e, meta["k"], seed=client_seed(meta["seed"], m.client))
+        if meta["k"] == "labels":
+            c = embedding.label_means(e, device.shards[m.client].y.cpu().numpy())
+        else:
+            c = embedding.centroids(e, meta["k"], seed=client_seed(meta["seed"], m.client))
         device.flags.discard(m.client)
         out.append(
             Message(

@@ -18,6 +18,7 @@ from flt.emulator.profiles import ProfileError, profiles_from_distribution
 from flt.models.schema import ConfigError, Field, MethodSpec, section, validate
 from flt.scenarios.datasets import DATASETS, DataError, dataset_key, load_dataset
 from flt.scenarios.errors import short
+from flt.scenarios.shift import KINDS, level_problem
 from flt.server.auth import SECURITY, security_problem
 from flt.server.strategies.params import METHODS  # torch-free: a typo answers before anything heavy loads
 
@@ -32,8 +33,29 @@ DATA = {
     "download": Field(bool, False, "let torchvision download missing files (needs internet)"),
 }
 
+SHIFT = {
+    "kind": Field(
+        str,
+        "rotate",
+        "what differs between the clusters: rotate, invert, noise, blur (feature shift) or labels (concept shift)",
+        choices=KINDS,
+    ),
+    "levels": Field(
+        list,
+        None,
+        "one per cluster: degrees (rotate), 0/1 (invert), noise std or blur sigma in pixels; "
+        "default evenly spread (rotate 0, 90, 180, 270 for 4 clusters); not used with labels",
+        nullable=True,
+    ),
+}
+
 PARTITION = {
-    "kind": Field(str, "clusters", "how clients get data", choices=("clusters", "dirichlet", "structured", "writers")),
+    "kind": Field(
+        str,
+        "clusters",
+        "how clients get data",
+        choices=("clusters", "dirichlet", "structured", "writers", "iid"),
+    ),
     "clients": Field(int, 20, "number of clients M", min=1),
     "clusters": Field(int, 5, "number of planted clusters C", min=1),
     "classes_per_cluster": Field(int, 2, "classes held by each cluster", min=1),
@@ -51,6 +73,11 @@ PARTITION = {
         "fraction of the train split held out from clients as a public set (encoder / PCA pretraining)",
         min=0.0,
         max=0.9,
+    ),
+    "shift": section(
+        SHIFT,
+        "feature or concept shift between the partition.clusters groups of clients (contiguous id blocks)",
+        optional=True,
     ),
 }
 
@@ -283,6 +310,7 @@ def resolve(raw: dict) -> dict:
     p = cfg["partition"]
     if p["kind"] in ("clusters", "structured") and p["classes_per_cluster"] <= p["shared_classes"]:
         raise ConfigError("partition.shared_classes: must be smaller than partition.classes_per_cluster")
+    _check_shift(p)
     if cfg["data"]["dataset"] != "digits" and not cfg["data"]["root"] and not cfg["data"]["download"]:
         raise ConfigError(
             f"data.root: dataset {cfg['data']['dataset']!r} needs a data root "
@@ -293,6 +321,18 @@ def resolve(raw: dict) -> dict:
         if isinstance(spec["params"].get("encoder"), dict):
             _check_encoder(spec["params"]["encoder"], cfg, f"methods[{i}]({spec['label']}).encoder")
     return cfg
+
+
+def _check_shift(p: dict) -> None:
+    if not p["shift"]:
+        return
+    if p["clusters"] > p["clients"]:
+        raise ConfigError(
+            f"partition.clusters: {p['clusters']} shift groups for {p['clients']} clients (at most one per client)"
+        )
+    levels = p["shift"]["levels"]
+    if levels is not None and (problem := level_problem(p["shift"]["kind"], levels, p["clusters"])):
+        raise ConfigError(f"partition.shift.{problem}")
 
 
 def _check_launcher(devices: dict) -> None:

@@ -365,6 +365,9 @@ def run_section(run: Run, plots: Path) -> str:
         "<h3>Convergence</h3>",
         figure(conv, "accuracy against rounds (± s.e.), bytes and emulated time"),
     ]
+    if (examples := run.path / "shift_examples.png").is_file():
+        shift_kind = json.loads((run.path / "shift.json").read_text()).get("kind", "?")
+        parts += [f"<h3>Shift between clusters: {html.escape(shift_kind)}</h3>", figure(examples, "shift_examples.png")]
     parts += fcr_section(run)
     changes, events = change_rows(run), event_rows(run)
     if changes or events:

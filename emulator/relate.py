@@ -28,6 +28,7 @@ from flt.emulator.run import (
     initial_weights,
     load_data,
     make_run_dir,
+    record_shift,
 )
 from flt.models.schema import ConfigError
 from flt.server import fcr
@@ -74,6 +75,7 @@ def relate_scenario(
     public = hold_out_public(cfg, len(train.y))
     partition = build_partition(cfg, train, test, public)
     partition.save(run_dir / "partition.npz")
+    record_shift(run_dir, cfg, partition, train)
     init, model_spec = initial_weights(cfg, train)
     m = partition.n_clients
     n_proc = cfg["devices"]["processes"]

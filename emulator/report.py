@@ -230,3 +230,29 @@ def plot_convergence(run_dir: Path, summary: dict, path: Path | None = None) -> 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_shift_examples(path: Path, rows: list[tuple[str, np.ndarray, np.ndarray]]) -> Path:
+    """A few training images of one client per shift group, as that client's device sees
+    them: rows of (title, float images [n, C, H, W] in [0, 1], labels it trains on)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = max(len(x) for _, x, _ in rows)
+    fig, axes = plt.subplots(len(rows), cols, figsize=(1.3 * cols, 1.5 * len(rows)), squeeze=False)
+    for r, (title, x, y) in enumerate(rows):
+        for c, ax in enumerate(axes[r]):
+            ax.axis("off")
+            if c >= len(x):
+                continue
+            img = x[c].transpose(1, 2, 0)
+            ax.imshow(img[..., 0] if img.shape[-1] == 1 else img, cmap="gray", vmin=0, vmax=1)
+            ax.set_title(f"label {int(y[c])}", fontsize=7)
+        axes[r][0].text(-0.1, 0.5, title, transform=axes[r][0].transAxes, ha="right", va="center", fontsize=8)
+    fig.suptitle("what each shift group's clients see (first images of its first client)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path

@@ -8,6 +8,7 @@ participation draws, and writes the results as they come: config.yaml, partition
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from datetime import datetime
@@ -23,6 +24,7 @@ from flt.models.flat import flatten
 from flt.models.nets import build_model
 from flt.models.wire import Message
 from flt.scenarios import partition as part
+from flt.scenarios import shift
 from flt.scenarios.datasets import Dataset, load_shared
 from flt.scenarios.errors import DeviceError, short
 from flt.server import checkpoint
@@ -63,6 +65,26 @@ def hold_out_public(cfg: dict, n_train: int) -> np.ndarray:
 
 
 def build_partition(cfg: dict, train: Dataset, test: Dataset, public: np.ndarray) -> part.Partition:
+    """The scenario's partition; with a shift, clients without a planted cluster take
+    their shift group as their true cluster (the clusters kind's blocks are the groups)."""
+    partition = _label_partition(cfg, train, test, public)
+    p = cfg["partition"]
+    if p["shift"]:
+        unplanted = partition.cluster < 0
+        partition.cluster[unplanted] = shift.group_of(partition.n_clients, p["clusters"])[unplanted]
+    return attach_shift(cfg, partition, train.num_classes)
+
+
+def attach_shift(cfg: dict, partition: part.Partition, num_classes: int) -> part.Partition:
+    """Give the partition its clients' transforms (none without partition.shift)."""
+    p = cfg["partition"]
+    if p["shift"]:
+        plan = shift.ShiftPlan.build(p["shift"], partition.n_clients, p["clusters"], num_classes, cfg["seed"])
+        partition.shift = plan
+    return partition
+
+
+def _label_partition(cfg: dict, train: Dataset, test: Dataset, public: np.ndarray) -> part.Partition:
     p = cfg["partition"]
     rng = np.random.default_rng([cfg["seed"], 0xDA7A])
     common = dict(test_per_client=p["test_per_client"], rng=rng, exclude=public)
@@ -77,6 +99,11 @@ def build_partition(cfg: dict, train: Dataset, test: Dataset, public: np.ndarray
             samples_per_client=p["samples_per_client"],
             on_short=p["on_short"],
             **common,
+        )
+    if p["kind"] == "iid":  # with a shift, each group draws from the whole split (IFCA's construction)
+        groups = shift.group_of(p["clients"], p["clusters"]) if p["shift"] else None
+        return part.partition_iid(
+            train.y, test.y, n_clients=p["clients"], samples_per_client=p["samples_per_client"], groups=groups, **common
         )
     if p["kind"] == "dirichlet":
         return part.partition_dirichlet(
@@ -103,6 +130,25 @@ def build_partition(cfg: dict, train: Dataset, test: Dataset, public: np.ndarray
             f"partition.kind: 'writers' needs a dataset with writers (femnist), not {cfg['data']['dataset']!r}"
         )
     return part.partition_groups(train.groups, test.groups, n_clients=p["clients"], rng=rng)
+
+
+def record_shift(run_dir: Path, cfg: dict, partition: part.Partition, train: Dataset, per_group: int = 6) -> None:
+    """shift.json (each group's transform) and shift_examples.png in the run folder."""
+    plan = partition.shift
+    if not isinstance(plan, shift.ShiftPlan):
+        return
+    group = shift.group_of(partition.n_clients, cfg["partition"]["clusters"])
+    (run_dir / "shift.json").write_text(json.dumps(plan.describe(group), indent=1) + "\n")
+    rows = []
+    for g, entry in zip(np.unique(group), plan.describe(group)["groups"], strict=True):
+        c = int(np.flatnonzero(group == g)[0])
+        idx = partition.train[c][:per_group]
+        cs = shift.client_shifts(plan.meta(), plan.tensors([c]), [c])[c]
+        x = cs.images(torch.from_numpy(train.x[idx]).float().div_(255)).numpy()
+        y = cs.labels(torch.from_numpy(train.y[idx]).long()).numpy()
+        what = f"level {entry['level']:g}" if "level" in entry else "own label map"
+        rows.append((f"group {g}: {plan.kind} {what}\n(client {c})", x, y))
+    report.plot_shift_examples(run_dir / "shift_examples.png", rows)
 
 
 def initial_weights(cfg: dict, train: Dataset) -> tuple[torch.Tensor, dict]:
@@ -149,6 +195,9 @@ def assign_clients(
             chosen = [shards[c] for c in block]
             tensors[f"{name}_offsets"] = np.cumsum([0] + [len(s) for s in chosen]).astype(np.int64)
             tensors[f"{name}_idx"] = (np.concatenate(chosen) if chosen else np.zeros(0)).astype(np.int64)
+        if isinstance(plan := partition.shift, shift.ShiftPlan):
+            tensors.update(plan.tensors(block))
+            meta = {**meta, "shift": plan.meta()}
         for c in block:
             transport.client_device[int(c)] = device
         expected[device] = block.tolist()
@@ -229,21 +278,18 @@ class Dynamics:
         b = change["partner"]
         p.train[c], p.train[b] = p.train[b], p.train[c]
         p.test[c], p.test[b] = p.test[b], p.test[c]
+        if isinstance(p.shift, shift.ShiftPlan):  # the data moves with its transform
+            p.shift.swap(c, b)
         self.ctx.truth[[c, b]] = self.ctx.truth[[b, c]]
         self._send_shard(c, flag)
         self._send_shard(b, flag)
 
     def _send_shard(self, c: int, flag: bool, extra: dict | None = None) -> None:
         p = self.partition
-        self.transport.send(
-            self.transport.client_device[c],
-            Message(
-                "drift",
-                client=c,
-                meta={"flag": flag, **(extra or {})},
-                tensors={"train": p.train[c], "test": p.test[c]},
-            ),
-        )
+        meta, tensors = {"flag": flag, **(extra or {})}, {"train": p.train[c], "test": p.test[c]}
+        if isinstance(p.shift, shift.ShiftPlan):
+            meta["shift"], tensors = p.shift.meta(), {**tensors, **p.shift.tensors([c])}
+        self.transport.send(self.transport.client_device[c], Message("drift", client=c, meta=meta, tensors=tensors))
 
     def undo(self) -> None:
         for change in reversed(self.applied):
@@ -278,7 +324,7 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print, resume: bool
             raise ValueError("run_scenario: resume=True needs out, the run folder to continue")
         run_dir = Path(out)
         public = np.load(run_dir / "public_indices.npy")
-        partition = part.Partition.load(run_dir / "partition.npz")
+        partition = attach_shift(cfg, part.Partition.load(run_dir / "partition.npz"), train.num_classes)
     else:
         public = hold_out_public(cfg, len(train.y))
         partition = build_partition(cfg, train, test, public)
@@ -290,6 +336,7 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print, resume: bool
         run_dir = make_run_dir(cfg, out)
         partition.save(run_dir / "partition.npz")
         np.save(run_dir / "public_indices.npy", public)
+        record_shift(run_dir, cfg, partition, train)
     progress(f"run folder: {run_dir}")
     for note in partition.notes:
         progress(f"partition: {note}")

@@ -37,6 +37,7 @@ __all__ = [
     "partition_clusters",
     "partition_dirichlet",
     "partition_groups",
+    "partition_iid",
     "partition_structured",
 ]
 
@@ -60,6 +61,9 @@ class Partition:
     cluster: np.ndarray
     notes: list[str] = field(default_factory=list)
     groups: np.ndarray | None = None
+    # each client's feature/concept shift (scenarios.shift.ShiftPlan); rebuilt from the
+    # scenario, never saved: the partition file stays indices only
+    shift: object | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         self.train = [np.asarray(a, dtype=np.int64).reshape(-1) for a in self.train]
@@ -462,6 +466,54 @@ def partition_dirichlet(
     train = _assemble(owners, idx, n_clients, rng)
     test, tnotes = _test_shards(y_test, given, test_per_client, rng)
     return Partition(train=train, test=test, cluster=np.full(n_clients, -1), notes=notes + tnotes)
+
+
+def partition_iid(
+    y_train,
+    y_test,
+    *,
+    n_clients: int,
+    samples_per_client: int,
+    test_per_client: int,
+    rng: np.random.Generator,
+    exclude=None,
+    num_classes: int | None = None,
+    groups: np.ndarray | None = None,
+) -> Partition:
+    """No label skew: every client gets a uniform random draw of the (non-excluded) train
+    split. ``groups`` (one id per client) lets each group draw from the whole split on its
+    own, as the rotated- and label-swapped-MNIST benchmarks (IFCA, CFL) build their
+    clusters: each cluster is the dataset under its own transform, so an image may recur
+    in two groups (differently rotated or labelled), never twice within one group. Where
+    a group asks for more than exists, its clients get an equal share and a note says so.
+    ``cluster`` is -1 for everyone (a shift, if any, plants the clusters)."""
+    _check_counts(n_clients)
+    y_train, y_test = _labels(y_train, "train"), _labels(y_test, "test")
+    mask = _exclude_mask(exclude, len(y_train))
+    pool = np.flatnonzero(~mask)
+    groups = np.zeros(n_clients, np.int64) if groups is None else np.asarray(groups, np.int64)
+    _check_sizes(int(np.bincount(groups).max()), len(pool), len(y_test), test_per_client)
+    k = _num_classes(y_train, y_test, num_classes)
+    train: list[np.ndarray] = [np.zeros(0, np.int64)] * n_clients
+    test: list[np.ndarray] = [np.zeros(0, np.int64)] * n_clients
+    notes: list[str] = []
+    for g in np.unique(groups):
+        members = np.flatnonzero(groups == g)
+        each = min(samples_per_client, len(pool) // len(members))
+        if each < samples_per_client:
+            notes.append(
+                f"iid: {len(members)} clients x {samples_per_client} = {len(members) * samples_per_client} samples "
+                f"asked{'' if len(np.unique(groups)) == 1 else f' in group {g}'}, only {len(pool)} available; "
+                f"each got {each} (no duplicates)"
+            )
+        drawn = rng.permutation(pool)[: len(members) * each].reshape(len(members), each)
+        counts = np.zeros((len(members), k), np.int64)
+        np.add.at(counts, (np.repeat(np.arange(len(members)), each), y_train[drawn].reshape(-1)), 1)
+        shards, tnotes = _test_shards(y_test, counts, test_per_client, rng)
+        for i, m in enumerate(members):
+            train[m], test[m] = drawn[i], shards[i]
+        notes += tnotes
+    return Partition(train=train, test=test, cluster=np.full(n_clients, -1), notes=notes)
 
 
 # ----------------------------------------------------------------------------- S4

@@ -91,16 +91,31 @@ def pad(points: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def set_distance(
-    points: list[np.ndarray], kind: str = "chamfer", chunk: int = 256, device: torch.device | None = None
+    points: list[np.ndarray],
+    kind: str = "chamfer",
+    chunk: int = 256,
+    device: torch.device | None = None,
+    classes: list[np.ndarray] | None = None,
 ) -> np.ndarray:
     """A_ij between client i's and client j's point sets:
     min: min_{r,s} d_rs (the paper); chamfer: (mean_r min_s d_rs + mean_s min_r d_rs) / 2;
-    hausdorff: max(max_r min_s d_rs, max_s min_r d_rs)."""
+    hausdorff: max(max_r min_s d_rs, max_s min_r d_rs).
+
+    With `classes` (one class per point), d_rs between points of different classes gains
+    the sets' diameter bound (twice the largest norm), so a point's nearest point in the
+    other set is of its own class whenever that set holds it, and a class the other
+    client lacks costs more than any match."""
     if kind not in DISTANCES:
         raise ValueError(f"distance: {kind!r} is not one of {', '.join(DISTANCES)}")
     u, mask = pad(points)
     u, mask = u.to(device or "cpu"), mask.to(device or "cpu")
     m, k, dim = u.shape
+    cls = None
+    if classes is not None:
+        cls = torch.full((m, k), -1, dtype=torch.int64, device=u.device)
+        for i, c in enumerate(classes):  # M small rows, once: not a per-pair loop
+            cls[i, : len(c)] = torch.as_tensor(c, dtype=torch.int64)
+        penalty = 2 * float(u.norm(dim=2).max())
     flat, valid = u.reshape(m * k, dim), mask.reshape(m * k)
     counts = mask.sum(1).to(u.dtype)  # [M]
     out = torch.empty(m, m, dtype=torch.float64, device=u.device)
@@ -108,6 +123,9 @@ def set_distance(
         rows_valid = mask[lo : lo + chunk]  # [c, k]
         d = torch.cdist(u[lo : lo + chunk].reshape(-1, dim), flat)
         d = d.view(len(rows_valid), k, m, k)
+        if cls is not None:
+            other = cls[lo : lo + chunk].view(-1, k, 1, 1) != cls.view(1, 1, m, k)
+            d = d + other * penalty
         d = d.masked_fill(~valid.view(1, 1, m, k), torch.inf).masked_fill(~rows_valid.view(-1, k, 1, 1), torch.inf)
         if kind == "min":
             out[lo : lo + chunk] = d.amin(dim=(1, 3))
@@ -159,11 +177,13 @@ def relate(
     n_clusters="auto",
     max_clusters: int = 20,
     device: torch.device | None = None,
+    classes: list[np.ndarray] | None = None,
 ) -> Clustering:
     """Steps 3-4 of FCR on already projected points (UMAP is the caller's: it is seeded
-    and slow, and the embedding-space pipeline skips it)."""
+    and slow, and the embedding-space pipeline skips it); `classes` (label-conditioned
+    centroids) makes the set distance match points of the same class."""
     m = len(points)
-    adj = set_distance(points, how.distance, device=device)
+    adj = set_distance(points, how.distance, device=device, classes=classes)
     graph = hard_threshold(adj, how.gamma) if how.gamma is not None else None
     if m < 2:
         return Clustering(np.zeros(m, np.int64), adj, np.ones((m, m), np.float32), np.zeros((0, 4)), 1, None)

@@ -36,7 +36,7 @@ from flt.server import checkpoint
 from flt.server.checkpoint import restore_vars
 from flt.server.exchange import Exchange, ExchangeClock, Work
 from flt.server.progress import step
-from flt.server.replies import Check, ShardSizes, centroids_check, metrics_check, state_check, update_check
+from flt.server.replies import MAX_CLASSES, Check, ShardSizes, centroids_check, metrics_check, state_check, update_check
 from flt.server.reporter import write_artifacts
 from flt.server.strategies.base import Result, Strategy, Task
 from flt.server.transport import Ledger, Transport
@@ -177,7 +177,8 @@ class Federation:
             int(c): Message("encoder", rnd, int(c), tensors=tensors, meta={**meta, "seed": self._seed(rnd, 1)})
             for c in clients
         }
-        k = meta.get("k")  # "auto" picks k in 2..10 on the device
+        k = meta.get("k")  # "auto" picks k in 2..10 on the device; "labels": one row per class
+        max_k = k if isinstance(k, int) else MAX_CLASSES if k == "labels" else 10
         ex = self.exchange(
             purpose,
             rnd,
@@ -185,7 +186,7 @@ class Federation:
             "centroids",
             timeout_s=self.timeout_s * 4,
             work=_embedded,
-            check=centroids_check(self.shard_sizes, k if isinstance(k, int) else 10),
+            check=centroids_check(self.shard_sizes, max_k, labelled=k == "labels"),
         )
         return ex.decoded(lambda m: m.tensors["centroids"].copy())
 

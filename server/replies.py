@@ -86,8 +86,12 @@ def metrics_check(sizes: ShardSizes | None) -> Check:
     return check
 
 
-def centroids_check(sizes: ShardSizes | None, max_k: int = 64) -> Check:
-    """`centroids`: the client's whole training shard embedded, into 1..max_k finite rows."""
+MAX_CLASSES = 64  # label-conditioned centroids: at most one row per class (FEMNIST has 62)
+
+
+def centroids_check(sizes: ShardSizes | None, max_k: int = 64, labelled: bool = False) -> Check:
+    """`centroids`: the client's whole training shard embedded, into 1..max_k finite rows;
+    `labelled`: each row ends with its class, distinct whole numbers in [0, max_k)."""
 
     def check(client: int, reply: Message):
         n, expected_n = reply.meta.get("n"), sizes(client)[0] if sizes else None
@@ -98,6 +102,12 @@ def centroids_check(sizes: ShardSizes | None, max_k: int = 64) -> Check:
             return "bad centroids", f"expected one float k x e array, k in 1..{max_k}"
         if not np.isfinite(c).all():
             return "non-finite centroids", "NaN or inf in the centroids"
+        if labelled:
+            cls = c[:, -1]
+            if c.shape[1] < 2 or (cls != np.round(cls)).any() or cls.min() < 0 or cls.max() >= max_k:
+                return "bad centroid classes", f"expected a last column of classes in [0, {max_k})"
+            if len(np.unique(cls)) != len(cls):
+                return "bad centroid classes", "a class appears twice"
         return None
 
     return check

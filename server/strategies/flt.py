@@ -84,6 +84,7 @@ class FLT(Strategy):
         case2 = params["aggregation"] == "case2"
         self.models = self.on(ctx.init.clone())[None].expand(1 if case2 else m, -1).clone()
         self.centroids: dict[int, np.ndarray] = {}
+        self.centroid_classes: dict[int, np.ndarray] = {}  # k: labels, the class of each centroid
         self.flag_round: dict[int, int] = {}  # outstanding data-change flags: client -> round first seen
         self.monitored: set[int] = set()  # of those, flagged by the server-side monitor
         self.payload_bytes, self.centroids_sent, self.encoders_sent = 0, 0, 0
@@ -113,6 +114,9 @@ class FLT(Strategy):
         answered, its bytes and emulated seconds), reported as `purpose`."""
         ex = fed.embed(rnd, np.asarray(clients), self.payload, self.payload_meta, purpose)
         got = ex.results
+        if self.params["k"] == "labels":  # rows are [mean embedding, class]
+            self.centroid_classes.update({c: v[:, -1].astype(np.int64) for c, v in got.items()})
+            got = {c: np.ascontiguousarray(v[:, :-1]) for c, v in got.items()}
         self.encoders_sent += len(clients)
         self.centroids.update(got)
         self.centroids_sent += sum(len(c) for c in got.values())
@@ -157,7 +161,10 @@ class FLT(Strategy):
         clients = np.array(sorted(c for c in np.asarray(clients).tolist() if c in self.centroids))
         points = self.project([self.centroids[c] for c in clients])
         how = self.threshold(points)
-        found = fcr.relate(points, how, self.params["clusters"], self.params["max_clusters"], self.ctx.device)
+        classes = [self.centroid_classes[c] for c in clients] if self.centroid_classes else None
+        found = fcr.relate(
+            points, how, self.params["clusters"], self.params["max_clusters"], self.ctx.device, classes=classes
+        )
         labels = np.full(self.ctx.n_clients, -1, dtype=np.int64)
         labels[clients] = found.labels
         graph = np.eye(self.ctx.n_clients, dtype=np.float32)

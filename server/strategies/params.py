@@ -88,6 +88,10 @@ def positive_or_auto(value) -> str | None:
     return "a positive integer or 'auto'"
 
 
+def centroid_count(value) -> str | None:
+    return None if value == "labels" else positive_or_auto(value) and "a positive integer, 'auto' or 'labels'"
+
+
 RELATEDNESS = {
     "relatedness": Field(
         str,
@@ -165,7 +169,12 @@ RELATEDNESS = {
 FLT = {
     "encoder": section(ENCODER, "the ConvAE encoder"),
     "k": Field(
-        (int, str), 5, "k-means centroids per client, or 'auto' (silhouette, per client)", rule=positive_or_auto
+        (int, str),
+        5,
+        "k-means centroids per client, 'auto' (silhouette, per client), or 'labels': one mean embedding per "
+        "class the client holds, compared class by class (sees concept shift; tells the server each "
+        "client's class set)",
+        rule=centroid_count,
     ),
     "umap": section(UMAP, "UMAP projection of the centroids (when the space is 'umap')"),
     **RELATEDNESS,
