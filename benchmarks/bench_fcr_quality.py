@@ -72,6 +72,7 @@ class Case:
     root: str | None = str(DATA)
     public_fraction: float = 0.0
     note: str = ""
+    flt: dict | None = None  # FLT parameters besides the encoder (k: labels)
 
 
 def structured(c: int) -> dict:
@@ -174,6 +175,48 @@ SUITE = [
     dirichlet("mnist-dirichlet-a0.1", "mnist", 0.1, 100, 500, ENC_FEMNIST),
     dirichlet("mnist-dirichlet-a1", "mnist", 1.0, 100, 500, ENC_FEMNIST),
     dirichlet("mnist-iid-a100", "mnist", 100.0, 100, 500, ENC_FEMNIST, seeds=(0, 1)),
+    # feature shift (the same labels, transformed inputs) and concept shift (the same inputs,
+    # other labels): clusters are partition.shift groups, each the whole split under its transform
+    *[
+        Case(
+            f"{ds_short}-{kind}{c}-{'skew-' if part == 'dirichlet' else ''}m{m}",  # not "iid": no control
+            ds,
+            {
+                "kind": part,
+                "clients": m,
+                "clusters": c,
+                "samples_per_client": n,
+                "alpha": 0.5,
+                "shift": {"kind": kind},
+            },
+            ENC_PUBLIC,
+            (0, 1),
+            root=root,
+            public_fraction=0.1,
+            note=f"{kind} shift" + (", Dirichlet(0.5) label skew inside" if part == "dirichlet" else ""),
+        )
+        for ds_short, ds, root, kind, c, part, m, n in (
+            ("mnist", "mnist", str(DATA), "rotate", 4, "iid", 200, 100),
+            ("mnist", "mnist", str(DATA), "invert", 2, "dirichlet", 100, 300),
+            ("mnist", "mnist", str(DATA), "noise", 3, "iid", 90, 200),
+            ("fmnist", "fashion_mnist", str(DATA), "blur", 3, "iid", 90, 200),
+            ("fmnist", "fashion_mnist", str(DATA), "rotate", 2, "dirichlet", 60, 500),
+            ("cifar10", "cifar10_jpg", str(DATA / "cifar10-jpg"), "rotate", 2, "iid", 100, 450),
+        )
+    ],
+    *[
+        Case(
+            f"mnist-labels4-m40{tag}",
+            "mnist",
+            {"kind": "iid", "clients": 40, "clusters": 4, "samples_per_client": 500, "shift": {"kind": "labels"}},
+            ENC_PUBLIC,
+            (0, 1),
+            public_fraction=0.1,
+            note="concept shift: input-only centroids cannot see it" if not flt else "concept shift, k: labels",
+            flt=flt,
+        )
+        for tag, flt in (("", None), ("-bylabel", {"k": "labels"}))
+    ],
     Case(
         "femnist-writers",
         "femnist",
@@ -219,7 +262,7 @@ def scenario(case: Case, seed: int) -> dict:
         "partition": part,
         "model": "mlp",
         "devices": {"processes": 2, "round_timeout_s": 1800},
-        "methods": [{"name": "flt", "encoder": case.encoder}],
+        "methods": [{"name": "flt", "encoder": case.encoder, **(case.flt or {})}],
     }
 
 
@@ -237,9 +280,11 @@ def centroids_for(case: Case, seed: int, fresh: bool = False) -> dict:
         (out / "embed_seconds.txt").write_text(f"{time.perf_counter() - tic:.2f}")
     with np.load(npz) as z:
         owner, cents, truth = z["owner"], z["centroids"], z["truth"]
+        classes = z.get("classes")
     clients = np.unique(owner)
     return {
         "sets": [cents[owner == c] for c in clients],
+        "classes": None if classes is None else [classes[owner == c] for c in clients],
         "truth": truth,
         "embed_s": float((out / "embed_seconds.txt").read_text()),
     }
@@ -280,16 +325,16 @@ def knn_accuracy(sets: list[np.ndarray], truth: np.ndarray, k: int = 5) -> float
     return float((votes.argmax(1) == truth).mean())
 
 
-def evaluate(sets, truth, how, seed: int, umap_points) -> dict:
+def evaluate(sets, truth, how, seed: int, umap_points, classes=None) -> dict:
     from flt.server import fcr
 
     tic = time.perf_counter()
     points = umap_points if how.space == "umap" else sets
-    found = fcr.relate(points, how)
+    found = fcr.relate(points, how, classes=classes)
     out = {"clusters": found.n_clusters, "seconds": time.perf_counter() - tic}
     if (truth >= 0).all():
         planted = len(np.unique(truth))
-        given = fcr.relate(points, how, n_clusters=planted)
+        given = fcr.relate(points, how, n_clusters=planted, classes=classes)
         out |= {
             "ari": adjusted_rand_score(truth, found.labels),
             "nmi": normalized_mutual_info_score(truth, found.labels),
@@ -330,7 +375,7 @@ def main() -> None:
                 "variants": {},
             }
             for name, how in variants().items():
-                row["variants"][name] = evaluate(sets, truth, how, seed, umap_points)
+                row["variants"][name] = evaluate(sets, truth, how, seed, umap_points, got["classes"])
             rows.append(row)
             print(_row_line(row), flush=True)
     result = {

@@ -286,3 +286,11 @@ def test_report_of_a_real_run_through_the_cli(tmp_path):
     dom, _ = open_in_chromium(page, tmp_path)
     count = len(_images(html))
     assert count >= 6 and f'data-images="{count}/{count}"' in dom
+
+
+def test_a_shifted_run_shows_what_each_group_sees(tmp_path):
+    run = fake_run(tmp_path / "run")
+    _png(run / "shift_examples.png", "color")
+    (run / "shift.json").write_text(json.dumps({"kind": "rotate", "groups": [{"group": 0, "level": 0.0}]}))
+    page = html_report.build([run], tmp_path / "out").read_text()
+    assert "Shift between clusters: rotate" in page and len(_images(page)) == 6

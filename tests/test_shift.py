@@ -245,3 +245,32 @@ def test_relate_over_processes_is_blind_to_label_swaps_unless_centroids_are_labe
     from sklearn.metrics import adjusted_rand_score
 
     assert adjusted_rand_score(found["by_label"][2], found["by_label"][1]) == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+def test_a_shifted_run_is_the_same_on_one_or_two_device_processes(tmp_path):
+    """The client's noise and rotation are its own: they do not depend on which device
+    hosts it or which clients share its cohort."""
+    from flt_command import QUICKSTART, flt
+    from test_resume import results_without_timing
+
+    runs = []
+    for n in (1, 2):
+        done = flt(
+            "run",
+            str(QUICKSTART),
+            "--set",
+            "partition={kind: iid, clients: 8, clusters: 2, samples_per_client: 40, test_per_client: 10, "
+            "public_fraction: 0.2, shift: {kind: noise, levels: [0.1, 0.4]}}",
+            "--set",
+            "train.rounds=3",
+            "--set",
+            "methods=[fedavg, local]",
+            "--set",
+            f"devices.processes={n}",
+            "--out",
+            str(tmp_path / f"p{n}"),
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs.append(results_without_timing(tmp_path / f"p{n}"))
+    assert runs[0] == runs[1]

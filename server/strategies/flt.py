@@ -209,6 +209,8 @@ class FLT(Strategy):
             "owner": np.repeat(clients, [len(p) for p in points]),
             "centroids": np.concatenate([self.centroids[c] for c in clients]),
         }
+        if classes is not None:  # k: labels, each centroid's class
+            arrays["classes"] = np.concatenate(classes)
         self.emit(Artifact(f"fcr{tag}", arrays, plot="fcr"))
         return report
 

@@ -1,0 +1,100 @@
+"""What a feature shift costs: the same FedAvg run with and without `partition.shift`.
+
+Transforms run on the devices, on the float copy each task makes of a client's images,
+so a shifted run should hold no more memory than a plain one (no per-client copy of the
+dataset) and spend a little more time per round (the transform of each cohort's images).
+Each variant is one `flt compare ... --methods fedavg` in a fresh process whose whole
+process tree is sampled for PSS every 0.2 s (bench_scale.PeakPss); the table gives every
+figure's ratio to the unshifted run measured in the same invocation.
+
+    .venv/bin/python benchmarks/bench_shift.py                 # rotated MNIST, M = 400
+    .venv/bin/python benchmarks/bench_shift.py --clients 2400  # IFCA's M
+
+Writes benchmarks/results/shift.json (change it with --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from bench_scale import PeakPss  # noqa: E402
+from machine import machine_info  # noqa: E402
+
+# label, the partition.shift it sets ("null": none)
+VARIANTS = (
+    ("no shift", "null"),
+    ("rotate 0/90/180/270 (exact)", "{kind: rotate}"),
+    ("rotate 0/45/90/135 (bilinear)", "{kind: rotate, levels: [0, 45, 90, 135]}"),
+    ("noise 0-0.6", "{kind: noise}"),
+    ("blur sigma 0-2", "{kind: blur}"),
+    ("labels (concept shift)", "{kind: labels}"),
+)
+
+
+def run_variant(args, shift: str, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "flt.emulator.cli", "compare", args.scenario, "--methods", "fedavg", "--out", str(out)]
+    for s in (
+        f"partition.shift={shift}",
+        f"partition.clients={args.clients}",
+        f"train.rounds={args.rounds}",
+        f"train.eval_every={args.rounds}",
+        f"train.participation={args.participation}",
+        "train.local_epochs=1",
+    ):
+        cmd += ["--set", s]
+    tic = time.perf_counter()
+    with open(out.with_suffix(".log"), "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        watch = PeakPss(proc.pid)
+        watch.start()
+        code = proc.wait()
+        watch.done.set()
+    if code != 0:
+        sys.exit(f"{shift}: flt compare exited with {code}; see {out.with_suffix('.log')}")
+    m = json.loads((out / "summary.json").read_text())["methods"]["fedavg"]
+    return {
+        "s_per_round": m["timing"]["s_per_round"],
+        "peak_pss_mb": watch.peak,
+        "wall_s": time.perf_counter() - tic,
+        "final_accuracy": m["final_accuracy"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenario", default=str(REPO / "scenarios" / "rotated_mnist.yaml"))
+    ap.add_argument("--clients", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--participation", type=float, default=0.1)
+    ap.add_argument("--out", default=str(HERE / "results" / "shift.json"))
+    args = ap.parse_args()
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (label, shift) in enumerate(VARIANTS):
+            print(f"{label} ...", flush=True)
+            rows[label] = run_variant(args, shift, Path(tmp) / f"v{i}")
+    base = rows["no shift"]
+    print(f"\nFedAvg on {Path(args.scenario).name}, M = {args.clients}, rho = {args.participation}, E = 1")
+    print(f"{'variant':<32}{'s/round':>9}{'x plain':>9}{'peak PSS MB':>13}{'x plain':>9}{'final acc':>11}")
+    for label, r in rows.items():
+        print(
+            f"{label:<32}{r['s_per_round']:>9.3f}{r['s_per_round'] / base['s_per_round']:>9.2f}"
+            f"{r['peak_pss_mb']:>13.0f}{r['peak_pss_mb'] / base['peak_pss_mb']:>9.2f}{r['final_accuracy']:>11.2f}"
+        )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"machine": machine_info(), "args": vars(args), "rows": rows}, indent=1))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
