@@ -189,11 +189,16 @@ def plot_convergence(run_dir: Path, summary: dict, path: Path | None = None) -> 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, (ax_r, ax_b, ax_t) = plt.subplots(1, 3, figsize=(15, 4))
+    metrics = {label: read_metrics(run_dir, label) for label in summary["methods"]}
+    clocked = any(r.get("emulated_s") is not None for rows in metrics.values() for r in rows if "acc_mean" in r)
+    # the emulated-time panel only when devices have profiles: an empty axis says nothing
+    fig, axes = plt.subplots(1, 3 if clocked else 2, figsize=(15 if clocked else 10, 4))
+    ax_r, ax_b = axes[0], axes[1]
+    ax_t = axes[2] if clocked else None
     marked: set[int] = set()
-    for label in summary["methods"]:
-        rows_all = read_metrics(run_dir, label)
+    for label, rows_all in metrics.items():
         rows = [r for r in rows_all if "acc_mean" in r]
         acc = np.array([r["acc_mean"] for r in rows])
         se = np.array([r["acc_se"] for r in rows])
@@ -202,7 +207,7 @@ def plot_convergence(run_dir: Path, summary: dict, path: Path | None = None) -> 
         ax_r.plot(rnd, acc, label=label)
         ax_r.fill_between(rnd, acc - se, acc + se, alpha=0.2)
         ax_b.plot(mb, acc, label=label)
-        if rows and all("emulated_s" in r for r in rows):
+        if ax_t is not None and rows and all("emulated_s" in r for r in rows):
             ax_t.plot([r["emulated_s"] / 60 for r in rows], acc, label=label)
         for r in rows_all:  # arrivals and drift, the same rounds for every method
             for e in r.get("events", []):
@@ -218,10 +223,12 @@ def plot_convergence(run_dir: Path, summary: dict, path: Path | None = None) -> 
                         color="grey",
                     )
     ax_r.set(xlabel="round", ylabel="mean client test accuracy (%)", title=summary["scenario"])
+    ax_r.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole
     ax_b.set(xlabel="bytes on the wire, up + down (MB)", ylabel="mean client test accuracy (%)")
     ax_b.set_xscale("symlog")
-    ax_t.set(xlabel="emulated time (min)", ylabel="mean client test accuracy (%)")
-    for ax in (ax_r, ax_b, ax_t):
+    if ax_t is not None:
+        ax_t.set(xlabel="emulated time (min)", ylabel="mean client test accuracy (%)")
+    for ax in axes:
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend()

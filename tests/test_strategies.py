@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flt.emulator.population import Population
+from flt.server import fcr
 from flt.server.encoder import image_source
 from flt.server.exchange import Exchange
 from flt.server.strategies.base import Context, Result
@@ -318,9 +319,7 @@ def test_pca_km_hc_relate_finds_planted_groups(tmp_path):
     paper = PCAKMHC(ctx, relatedness="paper", gamma_quantile=0.25)  # closest pair, quantile gamma, Ward
     paper.centroids = dict(enumerate(points))
     assert paper.relate(np.arange(m))["ari"] == pytest.approx(1.0)
-    assert paper.gamma_used == pytest.approx(
-        gamma_from_quantile(__import__("server.fcr", fromlist=["x"]).min_distance_adjacency(points), 0.25)
-    )
+    assert paper.gamma_used == pytest.approx(gamma_from_quantile(fcr.min_distance_adjacency(points), 0.25))
     assert paper.params["gamma"] is None  # the resolved value does not overwrite the setting
 
 
