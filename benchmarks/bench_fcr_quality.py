@@ -24,6 +24,7 @@ Defaults are chosen by the worst case over the suite, not the mean.
 Run (needs the real data in ../shared/data, or $FLT_DATA; the first run pretrains encoders, cached):
     .venv/bin/python benchmarks/bench_fcr_quality.py              # the whole suite
     .venv/bin/python benchmarks/bench_fcr_quality.py --only mnist  # cases whose name matches
+    .venv/bin/python benchmarks/bench_fcr_quality.py --only rotate,labels --keep-others  # re-run some, keep the rest
 Writes benchmarks/results/fcr_quality.json and prints the tables. Centroids are cached
 under benchmarks/.cache/fcr_quality (delete it to re-embed).
 """
@@ -346,7 +347,12 @@ def evaluate(sets, truth, how, seed: int, umap_points, classes=None) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="", help="run only cases whose name contains this")
+    ap.add_argument("--only", default="", help="run only cases whose name contains this (comma-separated: any of)")
+    ap.add_argument(
+        "--keep-others",
+        action="store_true",
+        help="keep the rows of cases not run now from the --out file: its tables and worst case cover the whole suite",
+    )
     ap.add_argument("--fresh", action="store_true", help="re-embed even when cached")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "fcr_quality.json"))
     args = ap.parse_args()
@@ -354,8 +360,9 @@ def main() -> None:
         sys.exit(f"the real data folder {DATA} is missing (see ../shared/data/README.md)")
     from flt.server import fcr
 
+    chosen = [c for c in SUITE if any(part in c.name for part in args.only.split(","))]
     rows = []
-    for case in [c for c in SUITE if args.only in c.name]:
+    for case in chosen:
         for seed in case.seeds:
             print(f"== {case.name} seed {seed}", flush=True)
             got = centroids_for(case, seed, args.fresh)
@@ -378,9 +385,15 @@ def main() -> None:
                 row["variants"][name] = evaluate(sets, truth, how, seed, umap_points, got["classes"])
             rows.append(row)
             print(_row_line(row), flush=True)
+    if args.keep_others and Path(args.out).is_file():
+        ran = {c.name for c in chosen}
+        kept = [r for r in json.loads(Path(args.out).read_text())["rows"] if r["case"] not in ran]
+        print(f"kept {len(kept)} rows of cases not run now from {args.out}")
+        rows = kept + rows
+        chosen = [c for c in SUITE if c.name in {r["case"] for r in rows}]
     result = {
         "machine": machine_info(),
-        "cases": [asdict(c) for c in SUITE if args.only in c.name],
+        "cases": [asdict(c) for c in chosen],
         "rows": rows,
         "worst": worst_case(rows),
     }

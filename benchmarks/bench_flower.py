@@ -72,7 +72,7 @@ def flower_available() -> bool:
 
 # ----------------------------------------------------------------------------- child parts
 def part_emulator(args, data_root: Path, work: Path) -> dict:
-    return run_emulator(args, data_root, work, "emulator", args.rounds)
+    return run_emulator(args, data_root, work, "emulator", args.rounds, [f"devices.threads={args.device_threads}"])
 
 
 def part_loop(args, data_root: Path, work: Path) -> dict:
@@ -147,6 +147,8 @@ def spawn_part(args, part: str, data_root: Path, work: Path) -> dict:
         str(args.processes),
         "--actors",
         str(args.actors),
+        "--device-threads",
+        str(args.device_threads),
         "--data-root",
         str(data_root),
         "--scenario",
@@ -247,6 +249,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=10, help="rounds T (default 10)")
     p.add_argument("--processes", type=int, default=2, help="emulator device processes (default 2)")
     p.add_argument("--actors", type=int, default=2, help="Flower client actors, 1 CPU each (default 2)")
+    p.add_argument("--device-threads", type=int, default=1, help="torch threads per emulator device (default 1)")
     p.add_argument("--data-root", help="folder holding MNIST (default: ../shared/data from the repo root)")
     p.add_argument("--scenario", default=str(REPO / "scenarios" / "s1_mnist.yaml"))
     p.add_argument("--seed", type=int, default=0)
