@@ -27,6 +27,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import numpy as np  # noqa: E402
 from bench_scale import PeakPss  # noqa: E402
 from machine import machine_info  # noqa: E402
 
@@ -76,23 +77,33 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--participation", type=float, default=0.1)
+    ap.add_argument("--repeat", type=int, default=3, help="runs per variant; the table gives medians (PSS peaks vary)")
     ap.add_argument("--out", default=str(HERE / "results" / "shift.json"))
     args = ap.parse_args()
-    rows = {}
+    runs: dict[str, list[dict]] = {label: [] for label, _ in VARIANTS}
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (label, shift) in enumerate(VARIANTS):
-            print(f"{label} ...", flush=True)
-            rows[label] = run_variant(args, shift, Path(tmp) / f"v{i}")
+        for r in range(args.repeat):  # interleaved, so a change in the machine's load hits every variant
+            for i, (label, shift) in enumerate(VARIANTS):
+                print(f"{label} (run {r + 1}/{args.repeat}) ...", flush=True)
+                runs[label].append(run_variant(args, shift, Path(tmp) / f"v{i}-r{r}"))
+    rows: dict[str, dict] = {
+        label: {k: float(np.median([x[k] for x in rs])) for k in rs[0]} for label, rs in runs.items()
+    }
+    for label, rs in runs.items():
+        rows[label]["pss_range_mb"] = [min(x["peak_pss_mb"] for x in rs), max(x["peak_pss_mb"] for x in rs)]
     base = rows["no shift"]
     print(f"\nFedAvg on {Path(args.scenario).name}, M = {args.clients}, rho = {args.participation}, E = 1")
-    print(f"{'variant':<32}{'s/round':>9}{'x plain':>9}{'peak PSS MB':>13}{'x plain':>9}{'final acc':>11}")
+    print(f"medians of {args.repeat} runs each (peak PSS: min-max in brackets)")
+    print(f"{'variant':<32}{'s/round':>9}{'x plain':>9}{'peak PSS MB':>13}{'x plain':>9}{'range':>13}{'final acc':>11}")
     for label, r in rows.items():
         print(
             f"{label:<32}{r['s_per_round']:>9.3f}{r['s_per_round'] / base['s_per_round']:>9.2f}"
-            f"{r['peak_pss_mb']:>13.0f}{r['peak_pss_mb'] / base['peak_pss_mb']:>9.2f}{r['final_accuracy']:>11.2f}"
+            f"{r['peak_pss_mb']:>13.0f}{r['peak_pss_mb'] / base['peak_pss_mb']:>9.2f}"
+            f"{'{:.0f}-{:.0f}'.format(*r['pss_range_mb']):>13}{r['final_accuracy']:>11.2f}"
         )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"machine": machine_info(), "args": vars(args), "rows": rows}, indent=1))
+    result = {"machine": machine_info(), "args": vars(args), "rows": rows, "runs": runs}
+    Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"\nwrote {args.out}")
 
 
