@@ -151,11 +151,7 @@ class ClientShift:
             noise = torch.randn(x.shape, generator=gen).mul_(self.level).to(x.device)
             return x.add_(noise).clamp_(0.0, 1.0)
         if self.kind == "blur" and self.level > 0:
-            from torchvision.transforms.v2.functional import gaussian_blur
-
-            k = 2 * int(np.ceil(3 * self.level)) + 1
-            k = min(k, 2 * (min(x.shape[-2:]) // 2) - 1)  # an odd kernel that fits the image
-            return gaussian_blur(x, kernel_size=[k, k], sigma=[self.level, self.level])
+            return blur(x, self.level)
         return x
 
     def labels(self, y):
@@ -168,16 +164,39 @@ class ClientShift:
 
 
 def rotate(x, degrees: float):
-    """Counter-clockwise rotation of [n, C, H, W] images: exact for multiples of 90."""
+    """Counter-clockwise rotation of [n, C, H, W] images about their centre: exact for
+    multiples of 90 (torch.rot90), else bilinear with black corners (torch's grid_sample;
+    torchvision's transforms would be imported into every device process for this)."""
     import torch
+    import torch.nn.functional as F
 
     quarter = degrees / 90.0
     if float(quarter).is_integer():
         return torch.rot90(x, int(quarter) % 4, dims=(-2, -1))
-    from torchvision.transforms.v2.functional import InterpolationMode
-    from torchvision.transforms.v2.functional import rotate as tv_rotate
+    t = np.deg2rad(degrees)
+    h, w = x.shape[-2:]
+    # output pixel p samples the input at R(-t) p, in pixel units about the centre
+    theta = torch.tensor(
+        [[np.cos(t), -np.sin(t) * h / w, 0.0], [np.sin(t) * w / h, np.cos(t), 0.0]], dtype=x.dtype, device=x.device
+    )
+    grid = F.affine_grid(theta.expand(len(x), 2, 3), list(x.shape), align_corners=False)
+    return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
-    return tv_rotate(x, float(degrees), interpolation=InterpolationMode.BILINEAR)
+
+def blur(x, sigma: float):
+    """Gaussian blur of [n, C, H, W] images, sigma in pixels: one separable kernel of
+    2 * ceil(3 sigma) + 1 taps (at most the image's size), reflected at the borders."""
+    import torch
+    import torch.nn.functional as F
+
+    half = min(int(np.ceil(3 * sigma)), (min(x.shape[-2:]) - 1) // 2)
+    taps = torch.arange(-half, half + 1, dtype=x.dtype, device=x.device)
+    g = torch.exp(-(taps**2) / (2 * sigma**2))
+    g = g / g.sum()
+    c = x.shape[1]
+    x = F.pad(x, (half, half, half, half), mode="reflect")
+    x = F.conv2d(x, g.view(1, 1, 1, -1).expand(c, 1, 1, -1), groups=c)  # along rows
+    return F.conv2d(x, g.view(1, 1, -1, 1).expand(c, 1, -1, 1), groups=c)  # along columns
 
 
 def client_shifts(meta: dict | None, tensors: dict, clients) -> dict[int, ClientShift]:

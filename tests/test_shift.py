@@ -37,6 +37,11 @@ def test_rotate_by_other_angles_interpolates_and_keeps_shape():
     assert y.shape == x.shape and y[0, 0, 4, 4] == pytest.approx(1.0)
     # counter-clockwise, as rot90: the bar now runs from bottom left to top right
     assert y[0, 0, 2, 6] > 0.9 and y[0, 0, 6, 2] > 0.9 and y[0, 0, 4, 0] < 0.1 and y[0, 0, 2, 2] < 0.1
+    # the interpolating path turns the same way as the exact one, rectangles included
+    for shape, quarter in (((2, 3, 9, 9), 1), ((1, 1, 6, 10), 2)):
+        x = torch.rand(shape)
+        near = ClientShift("rotate", 90.0 * quarter - 1e-4, 0).images(x.clone())
+        assert torch.allclose(near, torch.rot90(x, quarter, dims=(-2, -1)), atol=1e-4)
 
 
 def test_invert_and_level_zero_leave_what_they_should():
