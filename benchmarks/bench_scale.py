@@ -65,6 +65,19 @@ class PeakPss(threading.Thread):
             self.peak = max(self.peak, tree_pss_mb(self.pid))
 
 
+def run_watched(cmd: list[str], log_path: Path) -> tuple[int, float, float]:
+    """Run `cmd` from the repository, output to `log_path`; (exit code, peak PSS MB of its
+    process tree, wall seconds)."""
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        watch = PeakPss(proc.pid)
+        watch.start()
+        code = proc.wait()
+        watch.done.set()
+    return code, watch.peak, time.perf_counter() - t0
+
+
 def run_one(args, m: int, out: Path) -> dict:
     sets = [
         f"partition.clients={m}",
@@ -86,14 +99,7 @@ def run_one(args, m: int, out: Path) -> dict:
     ]
     for s in sets + args.set:
         cmd += ["--set", s]
-    t0 = time.perf_counter()
-    with open(out.with_suffix(".log"), "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        watch = PeakPss(proc.pid)
-        watch.start()
-        code = proc.wait()
-        watch.done.set()
-    wall = time.perf_counter() - t0
+    code, peak, wall = run_watched(cmd, out.with_suffix(".log"))
     if code != 0:
         raise SystemExit(f"M={m}: flt run exited with {code}; see {out.with_suffix('.log')}")
     summary = json.loads((out / "summary.json").read_text())
@@ -108,7 +114,7 @@ def run_one(args, m: int, out: Path) -> dict:
             "final_accuracy": s["final_accuracy"],
             "clusters": s.get("found_clusters"),
         }
-    return {"clients": m, "peak_pss_mb": watch.peak, "total_wall_s": wall, "methods": methods}
+    return {"clients": m, "peak_pss_mb": peak, "total_wall_s": wall, "methods": methods}
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -28,7 +26,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
-from bench_scale import PeakPss  # noqa: E402
+from bench_scale import run_watched  # noqa: E402
 from machine import machine_info  # noqa: E402
 
 # label, the partition.shift it sets ("null": none)
@@ -53,20 +51,14 @@ def run_variant(args, shift: str, out: Path) -> dict:
         "train.local_epochs=1",
     ):
         cmd += ["--set", s]
-    tic = time.perf_counter()
-    with open(out.with_suffix(".log"), "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        watch = PeakPss(proc.pid)
-        watch.start()
-        code = proc.wait()
-        watch.done.set()
+    code, peak, wall = run_watched(cmd, out.with_suffix(".log"))
     if code != 0:
         sys.exit(f"{shift}: flt compare exited with {code}; see {out.with_suffix('.log')}")
     m = json.loads((out / "summary.json").read_text())["methods"]["fedavg"]
     return {
         "s_per_round": m["timing"]["s_per_round"],
-        "peak_pss_mb": watch.peak,
-        "wall_s": time.perf_counter() - tic,
+        "peak_pss_mb": peak,
+        "wall_s": wall,
         "final_accuracy": m["final_accuracy"],
     }
 

@@ -135,12 +135,13 @@ def _label_partition(cfg: dict, train: Dataset, test: Dataset, public: np.ndarra
 def record_shift(run_dir: Path, cfg: dict, partition: part.Partition, train: Dataset, per_group: int = 6) -> None:
     """shift.json (each group's transform) and shift_examples.png in the run folder."""
     plan = partition.shift
-    if not isinstance(plan, shift.ShiftPlan):
+    if plan is None:
         return
     group = shift.group_of(partition.n_clients, cfg["partition"]["clusters"])
-    (run_dir / "shift.json").write_text(json.dumps(plan.describe(group), indent=1) + "\n")
+    described = plan.describe(group)
+    (run_dir / "shift.json").write_text(json.dumps(described, indent=1) + "\n")
     rows = []
-    for g, entry in zip(np.unique(group), plan.describe(group)["groups"], strict=True):
+    for g, entry in zip(np.unique(group), described["groups"], strict=True):
         c = int(np.flatnonzero(group == g)[0])
         idx = partition.train[c][:per_group]
         cs = shift.client_shifts(plan.meta(), plan.tensors([c]), [c])[c]
@@ -188,6 +189,8 @@ def assign_clients(
     timeout, or says ready for other clients) is lost with its clients, named in the log,
     and the run goes on without it; with no device left, nobody can train (DeviceError)."""
     blocks = np.array_split(np.asarray(clients, dtype=np.int64), len(devices))
+    if partition.shift is not None:
+        meta = {**meta, "shift": partition.shift.meta()}
     expected: dict[str, list[int]] = {}
     for device, block in zip(devices, blocks, strict=True):
         tensors = {"clients": block.astype(np.int64)}
@@ -195,9 +198,8 @@ def assign_clients(
             chosen = [shards[c] for c in block]
             tensors[f"{name}_offsets"] = np.cumsum([0] + [len(s) for s in chosen]).astype(np.int64)
             tensors[f"{name}_idx"] = (np.concatenate(chosen) if chosen else np.zeros(0)).astype(np.int64)
-        if isinstance(plan := partition.shift, shift.ShiftPlan):
-            tensors.update(plan.tensors(block))
-            meta = {**meta, "shift": plan.meta()}
+        if partition.shift is not None:
+            tensors.update(partition.shift.tensors(block))
         for c in block:
             transport.client_device[int(c)] = device
         expected[device] = block.tolist()
@@ -278,7 +280,7 @@ class Dynamics:
         b = change["partner"]
         p.train[c], p.train[b] = p.train[b], p.train[c]
         p.test[c], p.test[b] = p.test[b], p.test[c]
-        if isinstance(p.shift, shift.ShiftPlan):  # the data moves with its transform
+        if p.shift is not None:  # the data moves with its transform
             p.shift.swap(c, b)
         self.ctx.truth[[c, b]] = self.ctx.truth[[b, c]]
         self._send_shard(c, flag)
@@ -287,7 +289,7 @@ class Dynamics:
     def _send_shard(self, c: int, flag: bool, extra: dict | None = None) -> None:
         p = self.partition
         meta, tensors = {"flag": flag, **(extra or {})}, {"train": p.train[c], "test": p.test[c]}
-        if isinstance(p.shift, shift.ShiftPlan):
+        if p.shift is not None:
             meta["shift"], tensors = p.shift.meta(), {**tensors, **p.shift.tensors([c])}
         self.transport.send(self.transport.client_device[c], Message("drift", client=c, meta=meta, tensors=tensors))
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from flt.scenarios.datasets import save_npz_atomic
 from flt.scenarios.errors import FltError
+from flt.scenarios.shift import ShiftPlan
 
 __all__ = [
     "Partition",
@@ -63,7 +64,7 @@ class Partition:
     groups: np.ndarray | None = None
     # each client's feature/concept shift (scenarios.shift.ShiftPlan); rebuilt from the
     # scenario, never saved: the partition file stays indices only
-    shift: object | None = field(default=None, compare=False)
+    shift: ShiftPlan | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         self.train = [np.asarray(a, dtype=np.int64).reshape(-1) for a in self.train]

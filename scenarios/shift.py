@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import numpy as np
 
 KINDS = ("rotate", "invert", "noise", "blur", "labels")
-IMAGE_KINDS = ("rotate", "invert", "noise", "blur")
 
 
 def default_levels(kind: str, groups: int) -> list[float]:
