@@ -29,6 +29,7 @@ import zmq
 
 from flt.devices import ops
 from flt.devices.trainer import CohortTrainer
+from flt.devices.watch import Watch
 from flt.models.flat import param_spec
 from flt.models.heap import limit_heap_retention, skip_triton
 from flt.models.keys import Credentials, HandshakeWatch
@@ -126,7 +127,8 @@ class Device:
         self.shards: dict[int, Shard] = {}
         self.resident: dict[int, torch.Tensor] = {}  # per-client models kept on the device (Local)
         self.init: torch.Tensor | None = None  # the run's initial weights (sent with reset)
-        self.flags: set[int] = set()  # clients whose data changed since they last embedded
+        self.flags: set[int] = set()  # clients whose data moved since they last embedded
+        self.watch = Watch()  # what each client embedded, to notice its data moving (devices/watch.py)
         self.pending: dict[int, list[Message]] = {}  # batch id -> messages of an incomplete cohort
         self.datasets: dict[tuple, tuple] = {}
         self.trainer: CohortTrainer | None = None
@@ -220,11 +222,14 @@ class Device:
         self.init = torch.from_numpy(np.array(msg.tensors["init"], dtype=np.float32))
         self.resident.clear()
         self.flags.clear()
+        self.watch.clear()
         self.pending.clear()
 
     def on_drift(self, msg: Message) -> None:
         """Emulated data drift: the client's shard is replaced (indices into the same
-        dataset); it raises its flag delta with its next update unless told otherwise."""
+        dataset). Nothing tells the client whether its distribution moved: its store
+        changed, and its next task tests that (`change_flag`). A replay (meta "flag" 0:
+        a resumed run or the next method's undo) is no change."""
         if msg.client not in self.shards:
             raise KeyError(f"drift for client {msg.client}, which {self.name} does not host")
         train, test = self.splits
@@ -236,10 +241,32 @@ class Device:
             for y, y_old in ((shard.y, old.y), (shard.y_test, old.y_test)):
                 y.copy_(torch.where(y_old == i, j, torch.where(y_old == j, i, y_old)))
         self.shards[msg.client] = shard
-        if msg.meta.get("flag", True):
-            self.flags.add(msg.client)
-        else:
+        noticed = False
+        if not msg.meta.get("flag", True):
             self.flags.discard(msg.client)
+        elif self.watch.watched(msg.client):  # tested now: a moved client tells the server at once
+            self.watch.changed(msg.client)
+            noticed = self.change_flag(msg.client)
+        else:  # it never embedded: its next update tells the server (its method places it)
+            self.flags.add(msg.client)
+        if msg.meta.get("notice"):
+            meta = {"batch": msg.meta.get("batch", -1), "flag": int(noticed)}
+            self.send(Message("notice", msg.round, msg.client, meta=meta))
+
+    def change_flag(self, client: int) -> bool:
+        """The flag delta a reply carries: up from a change until the client re-embeds.
+        A store changed since the client embedded is tested first (devices/watch.py)."""
+        if self.watch.pending(client):
+            moved = self.watch.moved(client, self.shards[client].x.cpu().numpy())
+            p = (
+                f"p = {self.watch.tests[-1][1]:.3f}"
+                if self.watch.tests and self.watch.tests[-1][0] == client
+                else "untested"
+            )
+            log.info("%s: client %d's data changed (%s): %s", self.name, client, p, "flag" if moved else "no flag")
+            if moved:
+                self.flags.add(client)
+        return client in self.flags
 
     def on_state(self, msg: Message) -> None:
         """Resume: the state snapshot() gave for this client at the checkpoint."""
@@ -250,6 +277,8 @@ class Device:
         else:
             self.resident.pop(msg.client, None)
         (self.flags.add if msg.meta.get("flag") else self.flags.discard)(msg.client)
+        if msg.meta.get("watched"):  # its reference is gone with the old process: any change counts
+            self.watch.forgotten(msg.client)
 
     # -- cohorts --------------------------------------------------------------------
     def collect(self, msg: Message) -> None:

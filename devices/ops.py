@@ -156,7 +156,7 @@ def train_from(device: Device, batch: list[Message], start: torch.Tensor) -> tup
             "batch": m.meta["batch"],
             "n": len(x),
             "loss": float(loss),
-            "flag": int(m.client in device.flags),
+            "flag": int(device.change_flag(m.client)),
             "steps": -(-len(x) // cfg.batch_size) * cfg.epochs,
         }
         for m, x, loss in zip(batch, xs, losses, strict=True)
@@ -235,10 +235,14 @@ def embed(device: Device, batch: list[Message]) -> list[Message]:
     if meta["format"] != "autoencoder":  # onnxruntime and numpy read host memory
         xs = [x.cpu() for x in xs]
     if meta["format"] == "onnx":
-        embs = embedding.embed_onnx(t["onnx"], xs)
+        onnx = np.array(t["onnx"])  # kept by the watch: the message's frames are not ours to hold
+        embs = embedding.embed_onnx(onnx, xs)
+        device.watch.embedder = lambda x: embedding.embed_onnx(onnx, [torch.from_numpy(x)])[0]
     elif meta["format"] == "linear":
-        embs = embedding.embed_linear(t["components"], t["mean"], xs)
-    else:
+        components, mean = np.array(t["components"]), np.array(t["mean"])
+        embs = embedding.embed_linear(components, mean, xs)
+        device.watch.embedder = lambda x: embedding.embed_linear(components, mean, [torch.from_numpy(x)])[0]
+    else:  # each client's own fine-tuned encoder: not kept (devices/watch.py)
         embs = embedding.embed_finetuned(t["weights"], meta, xs, generators(batch))
     out = []
     for m, e in zip(batch, embs, strict=True):
@@ -247,6 +251,10 @@ def embed(device: Device, batch: list[Message]) -> list[Message]:
         else:
             c = embedding.centroids(e, meta["k"], seed=client_seed(meta["seed"], m.client))
         device.flags.discard(m.client)
+        # the image test sees neither a fine-tuned encoder it does not keep nor a label
+        # change (k: labels): then any change of the store raises the flag
+        testable = meta["format"] != "autoencoder" and meta["k"] != "labels"
+        device.watch.remember(m.client, e, client_seed(0, m.client), kept=testable)
         out.append(
             Message(
                 "centroids", m.round, m.client, tensors={"centroids": c}, meta={"batch": m.meta["batch"], "n": len(e)}
@@ -265,7 +273,11 @@ def snapshot(device: Device, batch: list[Message]) -> list[Message]:
             m.round,
             m.client,
             tensors={"model": device.resident[m.client].numpy()} if m.client in device.resident else {},
-            meta={"batch": m.meta["batch"], "flag": int(m.client in device.flags)},
+            meta={
+                "batch": m.meta["batch"],
+                "flag": int(device.change_flag(m.client)),
+                "watched": int(device.watch.watched(m.client)),
+            },
         )
         for m in batch
     ]

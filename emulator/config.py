@@ -194,7 +194,8 @@ POPULATION = {
         [],
         "[{round: r, clients: [ids], to_cluster: c}]: each client swaps its data "
         "with a client of cluster c; or [{round: r, clients: [ids], kind: swap_labels, "
-        "labels: [i, j]}]: their classes i and j trade labels; drifted clients raise their flag",
+        "labels: [i, j]}]: their classes i and j trade labels (a label swap changes no image: "
+        "a device's embedding test does not see it, the monitor or k: labels may)",
     ),
 }
 

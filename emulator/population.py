@@ -12,8 +12,9 @@
   one-off work costs emulated time too.
 - Arrivals and drift: scheduled newcomers (a planted cluster withheld until a round,
   joining as a new device process) and drifting clients (their data swaps with a client
-  of another cluster, and they raise the flag delta). The emulator supplies the two
-  callbacks that touch processes; this class only decides what happens when.
+  of another cluster; nothing tells the method: a device notices by itself, see
+  devices/watch.py). The emulator supplies the two callbacks that touch processes;
+  this class only decides what happens when.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ class Population:
         events = []
         if rnd in self.schedule.drift:
             changes = self.schedule.drift[rnd]
-            self.drift_cb(rnd, changes)
+            noticed = self.drift_cb(rnd, changes) or []  # what the devices' own tests found
             moved = {c[k] for c in changes for k in ("client", "partner") if k in c}
             events.append(
                 {
@@ -111,6 +112,7 @@ class Population:
                     "round": rnd,
                     "clients": sorted(moved),
                     "changes": sorted({c["kind"] for c in changes}),
+                    "noticed": [int(c) for c in noticed],
                 }
             )
         if rnd in self.schedule.arrivals:

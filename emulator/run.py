@@ -22,7 +22,7 @@ from flt.emulator.config import dump, load_encoder_sources
 from flt.emulator.population import Population, assign_profiles, schedule_from
 from flt.models.flat import flatten
 from flt.models.nets import build_model
-from flt.models.wire import Message
+from flt.models.wire import Message, encode, frame_bytes
 from flt.scenarios import partition as part
 from flt.scenarios import shift
 from flt.scenarios.datasets import Dataset, load_shared
@@ -33,7 +33,7 @@ from flt.server.encoder import image_source
 from flt.server.federation import CHECKPOINT, Federation, run_method
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context
-from flt.server.transport import DeviceLost, Transport
+from flt.server.transport import DeviceLost, Ledger, Transport
 
 
 def make_run_dir(cfg: dict, out: str | None) -> Path:
@@ -265,37 +265,62 @@ class Dynamics:
         self.newcomer_devices.append(name)
         self.progress(f"round {rnd}: {len(clients)} newcomers joined on new device process {name}")
 
-    def drift(self, rnd: int, changes: list[dict]) -> None:
-        for change in changes:
-            self._apply(change, flag=True)
-            self.applied.append(change)
-        self.progress(f"round {rnd}: data drift: {changes}")
+    def drift(self, rnd: int, changes: list[dict]) -> list[int]:
+        """Send the changed shards; every changed client's device answers with a notice
+        saying whether its own test found the data moved (devices/watch.py). Returns the
+        clients it did for: what a device would report at once, unprompted. Only those
+        notices are the method's traffic (billed as control); the answers that say "no"
+        exist to make delivery deterministic and are not billed."""
+        msgs = [m for change in changes for m in self._apply(change, live=True)]
+        self.applied += changes
+        last = {m.client: m for m in msgs}  # a client changed twice answers for its last change
+        for m in msgs:
+            if last[m.client] is not m:
+                self.transport.send(self.transport.client_device[m.client], m)
+        for m in last.values():
+            m.meta["notice"] = 1
+        t = self.transport
+        billed, t.ledger = t.ledger, Ledger()
+        try:
+            replies = t.gather(last, "notice", self.cfg["devices"]["round_timeout_s"], own=True)
+        finally:
+            t.ledger = billed
+        noticed = sorted(c for c, r in replies.items() if r.meta.get("flag") == 1)
+        size = frame_bytes(encode(Message("notice", rnd, 0, meta={"flag": 1})))  # not the batch id's digits
+        for c in noticed:
+            billed.add(rnd, c, "up", "control", *size)
+        self.progress(f"round {rnd}: data drift: {changes}; devices noticed a move for clients {noticed}")
+        return noticed
 
-    def _apply(self, change: dict, flag: bool) -> None:
-        """A move swaps two clients' shards; a label swap trades two labels (its own inverse)."""
+    def _apply(self, change: dict, live: bool) -> list[Message]:
+        """A move swaps two clients' shards; a label swap trades two labels (its own
+        inverse). Returns the drift messages, in order; `live` False (an undo or a
+        resume's replay) marks them as no change to notice."""
         p, c = self.partition, change["client"]
         if change["kind"] == "swap_labels":
-            self._send_shard(c, flag, {"label_swap": change["labels"]})
-            return
+            return [self._shard_message(c, live, {"label_swap": change["labels"]})]
         b = change["partner"]
         p.train[c], p.train[b] = p.train[b], p.train[c]
         p.test[c], p.test[b] = p.test[b], p.test[c]
         if p.shift is not None:  # the data moves with its transform
             p.shift.swap(c, b)
         self.ctx.truth[[c, b]] = self.ctx.truth[[b, c]]
-        self._send_shard(c, flag)
-        self._send_shard(b, flag)
+        return [self._shard_message(c, live), self._shard_message(b, live)]
 
-    def _send_shard(self, c: int, flag: bool, extra: dict | None = None) -> None:
+    def _shard_message(self, c: int, live: bool, extra: dict | None = None) -> Message:
         p = self.partition
-        meta, tensors = {"flag": flag, **(extra or {})}, {"train": p.train[c], "test": p.test[c]}
+        meta, tensors = {"flag": live, **(extra or {})}, {"train": p.train[c], "test": p.test[c]}
         if p.shift is not None:
             meta["shift"], tensors = p.shift.meta(), {**tensors, **p.shift.tensors([c])}
-        self.transport.send(self.transport.client_device[c], Message("drift", client=c, meta=meta, tensors=tensors))
+        return Message("drift", client=c, meta=meta, tensors=tensors)
+
+    def _send(self, msgs: list[Message]) -> None:
+        for m in msgs:
+            self.transport.send(self.transport.client_device[m.client], m)
 
     def undo(self) -> None:
         for change in reversed(self.applied):
-            self._apply(change, flag=False)
+            self._send(self._apply(change, live=False))
         self.applied.clear()
         for name in self.newcomer_devices:
             self.transport.send(name, Message("shutdown"))

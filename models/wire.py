@@ -48,6 +48,7 @@ KINDS = {
     "encoder": "encoder",  # server -> client: ONNX encoder (or autoencoder weights)
     "centroids": "embedding",  # client -> server: k x e centroids of its embeddings
     "drift": "control",  # server -> device: change a client's data (emulated drift)
+    "notice": "control",  # client -> server: its own test found its data moved (flag 0/1)
     "error": "control",  # device -> server: a task failed, with the reason
     "shutdown": "control",  # server -> device: exit
     "snapshot": "control",  # server -> client: send what the device keeps for you (checkpoint)

@@ -233,6 +233,13 @@ def _silhouette(adj: np.ndarray, labels: np.ndarray) -> float | None:
     return float(silhouette_score(adj, labels, metric="precomputed"))
 
 
+def silhouette_or_zero(adj: np.ndarray, labels: np.ndarray) -> float:
+    """The silhouette of a labelling on A; 0 (no structure) where it is undefined (one
+    cluster, or one client per cluster)."""
+    score = _silhouette(adj, labels)
+    return 0.0 if score is None else score
+
+
 def silhouette_clusters(z: np.ndarray, adj: np.ndarray, max_clusters: int, floor: float, slack: float = 0.0) -> int:
     """The largest C in 2..max_clusters whose silhouette of A is within `slack` of the
     best; 1 when no cut reaches `floor`. Near-ties go to the finer cut because merging two

@@ -88,3 +88,36 @@ def scatter(path: Path, points: list[np.ndarray], labels: np.ndarray, truth: np.
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_timeline(path: Path, rounds: np.ndarray, labels: np.ndarray) -> Path:
+    """Clusters over rounds: one row per client (ordered by its first cluster), one band
+    per clustering from its round to the next; white where a client has no cluster (not
+    arrived, or no embedding). A dot marks each client that moved at that clustering."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.ticker import MaxNLocator
+
+    first = (labels >= 0).argmax(0)  # the first clustering that placed each client
+    start = labels[first, np.arange(labels.shape[1])]
+    order = np.lexsort((np.arange(labels.shape[1]), start))
+    grid = np.ma.masked_less(labels[:, order].T.astype(float), 0)  # [clients, clusterings]
+    edges = np.append(rounds, rounds[-1] + max(1, int(np.diff(rounds).max()) if len(rounds) > 1 else 1))
+    cmap = ListedColormap(plt.get_cmap("tab20")(np.arange(max(2, int(labels.max()) + 1)) % 20))
+    fig, ax = plt.subplots(figsize=(8, max(3.0, min(12.0, 0.05 * labels.shape[1] + 2))))
+    mesh = ax.pcolormesh(edges, np.arange(labels.shape[1] + 1), grid, cmap=cmap, vmin=-0.5, vmax=cmap.N - 0.5)
+    moved = (labels[1:] != labels[:-1]) & (labels[:-1] >= 0) & (labels[1:] >= 0)  # [clusterings-1, clients]
+    k, c = np.nonzero(moved[:, order])
+    ax.scatter(rounds[k + 1], c + 0.5, s=10, c="k", marker="o", label="moved")
+    ax.set(xlabel="round", ylabel="client (by first cluster)", title="clusters over rounds")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.colorbar(mesh, ax=ax, label="cluster", ticks=range(cmap.N))
+    if len(k):
+        ax.legend(loc="upper right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -250,13 +250,14 @@ class Federation:
         return {
             "models": {c: r.tensors["model"].copy() for c, r in replies.items() if "model" in r.tensors},
             "flags": sorted(c for c, r in replies.items() if r.meta.get("flag")),
+            "watched": sorted(c for c, r in replies.items() if r.meta.get("watched")),
             "missing": missing,
         }
 
     def _restore_device_state(self, state: dict) -> None:
         """Every hosted client gets its checkpointed state back (a flag that replayed drift
         raised but a later re-embedding cleared is cleared again); not billed either."""
-        t, flags = self.transport, set(state["flags"])
+        t, flags, watched = self.transport, set(state["flags"]), set(state.get("watched", ()))
         billed, t.ledger = t.ledger, Ledger()
         try:
             for c in self._hosted():
@@ -266,7 +267,7 @@ class Federation:
                     Message(
                         "state",
                         client=c,
-                        meta={"flag": int(c in flags)},
+                        meta={"flag": int(c in flags), "watched": int(c in watched)},
                         tensors={} if model is None else {"model": model},
                     ),
                 )
@@ -370,6 +371,8 @@ def run_method(
             for event in events:
                 if event["kind"] == "arrival":  # the strategy places its newcomers (FLT: embed, join)
                     event |= strategy.on_arrival(rnd, np.asarray(event["clients"], dtype=np.int64), fed) or {}
+                elif event.get("noticed"):  # devices that found their data moved said so at once
+                    strategy.on_notice(rnd, np.asarray(event["noticed"], dtype=np.int64))
             selected = population.select(rnd, candidates)
             tasks = strategy.train_tasks(rnd, selected)
             trained = fed.train(rnd, tasks, population.delays(rnd, tasks), population.timeout(fed.timeout_s))

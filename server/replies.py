@@ -120,8 +120,9 @@ def state_check(model_size: int | None) -> Check:
     the device on resume."""
 
     def check(client: int, reply: Message):
-        if reply.meta.get("flag", 0) not in (0, 1):
-            return "bad meta", f"flag {short(reply.meta.get('flag'), 24)}"
+        for key in ("flag", "watched"):
+            if reply.meta.get(key, 0) not in (0, 1):
+                return "bad meta", f"{key} {short(reply.meta.get(key), 24)}"
         if not reply.tensors:
             return None
         model = reply.tensors.get("model")

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from sklearn.decomposition import PCA
 
-from flt.server.fcr_report import plot_fcr
+from flt.server.fcr_report import plot_fcr, plot_timeline
 from flt.server.strategies.base import Artifact
 
 
@@ -21,6 +21,9 @@ def write_artifacts(out_dir: Path, artifacts: list[Artifact]) -> list[Path]:
         np.savez(paths[-1], **art.arrays)  # type: ignore[arg-type]  # (numpy stubs: a key could be allow_pickle)
         if art.plot == "fcr":
             paths += draw_fcr(out_dir, art.arrays, art.name.removeprefix("fcr"))
+        elif art.plot == "timeline":
+            a = art.arrays
+            paths.append(plot_timeline(out_dir / f"{art.name}.png", a["rounds"], a["labels"]))
         elif art.plot is not None:
             raise ValueError(f"artifact {art.name}: no drawing named {art.plot!r}")
     return paths

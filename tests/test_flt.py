@@ -11,6 +11,7 @@ from flt_command import flt  # tests/ is on sys.path under pytest
 from scipy.spatial.distance import cdist
 
 from flt.emulator.config import parse_methods
+from flt.models.wire import Message
 from flt.server import fcr
 from flt.server.exchange import Exchange
 from flt.server.reporter import write_artifacts
@@ -295,7 +296,7 @@ def test_fcr_comes_out_as_artifacts_that_the_reporter_writes(tmp_path):
     with np.load(tmp_path / "out" / "fcr.npz") as z:
         np.testing.assert_array_equal(z["truth"], np.repeat(np.arange(3), 4))
     s.maintain(4, fed)  # a periodic re-clustering: its own files, tagged with the round
-    assert [a.name for a in s.take_artifacts()] == ["fcr-round4"]
+    assert [a.name for a in s.take_artifacts()] == ["fcr-round4", "clusters_timeline"]
 
 
 def test_strategies_never_reach_for_the_transport_or_the_disk():
@@ -312,3 +313,81 @@ def test_strategies_never_reach_for_the_transport_or_the_disk():
             if isinstance(node, ast.Import | ast.ImportFrom):
                 mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
                 assert not [m for m in mods if m.startswith(banned_modules)], f"{path.name} imports {mods}"
+
+
+# -- dynamic FLT with its defaults: arrivals and drift placed, ids and models kept --------
+
+
+class Population(Embedder):
+    """Clients 12..15 (planted cluster 3, unlike the others) arrive late; `truth` may
+    change (drift); `choose` tasks answer with the loss of each candidate, lowest for the
+    global model (the second)."""
+
+    def __init__(self):
+        super().__init__(np.repeat(np.arange(4), 4))
+        self.present = np.arange(12)
+        self.exchanges = []
+
+    def exchange(self, kind, rnd, msgs, reply, **_):
+        self.exchanges.append((kind, sorted(msgs)))
+        assert all(m.meta["op"] == "choose" and m.tensors["model"].shape == (2, P) for m in msgs.values())
+        got = {c: Message("result", rnd, c, tensors={"losses": np.array([2.0, 1.0])}) for c in msgs}
+        return Exchange(got, sorted(got), {"bytes": {"down": {"model": 123}}})
+
+
+def dynamic_flt() -> tuple[FLT, Population]:
+    fed = Population()
+    ctx = Context(
+        init=torch.zeros(P),
+        n_clients=16,
+        n_train=np.full(16, 50),
+        device=torch.device("cpu"),
+        seed=0,
+        truth=fed.truth.copy(),
+        train={"rounds": 10, "participation": 0.5},
+    )
+    s = FLT(ctx, **parse_methods(["flt"])[0].params)  # every setting at its default
+    s.encoder_payload = lambda: ({"onnx": np.zeros(4, np.uint8)}, {"format": "onnx"}, {})
+    s.setup(fed)
+    s.models = torch.stack([torch.full((P,), float(j)) for j in range(len(s.models))])  # told apart
+    return s, fed
+
+
+def test_newcomers_unlike_every_cluster_open_one_and_incumbents_keep_theirs():
+    s, fed = dynamic_flt()
+    before, labels = s.models.clone(), s.labels.copy()
+    fed.present = np.arange(16)
+    report = s.on_arrival(5, np.arange(12, 16), fed)
+    assert (
+        report["newcomers"] == "auto"
+        and report["placement"] == "kept"
+        and report["opened"] == [3]
+        and report["moved"] == []
+    )
+    np.testing.assert_array_equal(s.labels[:12], labels[:12])
+    assert set(s.labels[12:].tolist()) == {3}
+    torch.testing.assert_close(s.models[:3], before)  # the clusters that continue: untouched
+    assert report["start_models"] == {3: "global"}  # the lower loss on its members' data
+    torch.testing.assert_close(s.models[3], before.mean(0))
+    assert fed.exchanges == [("recluster", [12, 13, 14, 15])]
+    assert [r["cause"] for r in s.fcr_reports] == ["initial", "arrival"] and s.fcr_reports[-1]["ari"] == 1.0
+    (timeline,) = [a for a in s.take_artifacts() if a.name == "clusters_timeline"]
+    np.testing.assert_array_equal(timeline.arrays["rounds"], [0, 5])
+    assert (timeline.arrays["labels"][0, 12:] == -1).all() and (timeline.arrays["labels"][1, 12:] == 3).all()
+
+
+def test_a_flag_moves_its_client_at_the_end_of_its_round_and_nothing_else_changes():
+    s, fed = dynamic_flt()
+    before, labels = s.models.clone(), s.labels.copy()
+    for rnd in range(1, 6):  # no flag: no re-clustering, however long
+        s.observe(rnd, {c: Result(None, 50, {"flag": 0}) for c in range(12)})
+        assert s.maintain(rnd, fed) == []
+    fed.truth[[0, 1]] = 2  # clients 0 and 1 now hold cluster 2's kind of data
+    s.observe(6, {0: Result(None, 50, {"flag": 1}), 1: Result(None, 50, {"flag": 1}), 5: Result(None, 50, {})})
+    (event,) = s.maintain(6, fed)
+    assert event["cause"] == "flags" and event["clients"] == [0, 1] and event["moved"] == [0, 1]
+    want = labels.copy()
+    want[[0, 1]] = labels[8]
+    np.testing.assert_array_equal(s.labels, want)
+    torch.testing.assert_close(s.models, before)  # every cluster continues with its own model
+    assert fed.exchanges == []  # no cluster opened: no start model to measure

@@ -127,7 +127,7 @@ def test_recluster_fires_exactly_when_flags_pass_lambda(tmp_path, monkeypatch):
         return _answered(who)
 
     monkeypatch.setattr(flt, "embed", embed)
-    monkeypatch.setattr(flt, "relate", lambda clients, tag="": calls.append(("relate", tag)) or {})
+    monkeypatch.setattr(flt, "relate", lambda clients, tag="", fresh=None: calls.append(("relate", tag)) or {})
     fed = SimpleNamespace(present=np.arange(m), transport=SimpleNamespace(ledger=Ledger()))
 
     def round_with_flags(rnd, flagged):
@@ -157,11 +157,11 @@ def dynamic_run(tmp_path_factory):
             "--out",
             str(out),
             "--set",
-            "train.rounds=12",
+            "train.rounds=14",
             "--set",
             "population.drift=[{round: 11, clients: [0, 1, 2], to_cluster: 2}]",
-            "--set",
-            "methods=[{name: flt, encoder: {dataset: public, epochs: 100}, newcomers: recluster, recluster_flags: 0}]",
+            "--set",  # every dynamic setting at its default
+            "methods=[{name: flt, encoder: {dataset: public, epochs: 100}}]",
         ],
         cwd=REPO,
         capture_output=True,
@@ -178,7 +178,10 @@ def test_newcomers_join_as_a_new_process_get_a_model_and_are_evaluated(dynamic_r
     assert [r["n_eval"] for r in rows[:9]] == [20] * 9  # cluster 4 withheld
     assert all(r["n_eval"] == 25 for r in rows[9:])  # joined at round 10
     arrival = next(e for e in rows[9]["events"] if e["kind"] == "arrival")
-    assert arrival["clients"] == [20, 21, 22, 23, 24] and arrival["placement"] == "recluster"
+    assert arrival["clients"] == [20, 21, 22, 23, 24] and arrival["newcomers"] == "auto"
+    # cluster 4 was never seen: it opens a cluster of its own, nobody else moves
+    assert len(arrival["opened"]) == 1 and arrival["moved"] == [] and arrival["ari"] == 1.0
+    assert set(arrival["start_models"].values()) <= {"nearest", "global"}
     assert "acc_newcomers" not in rows[8] and "acc_newcomers" in rows[9]  # apart from the incumbents
     first = summary["methods"]["flt"]["changes"][0]
     assert first["measured_on"] == "incumbents" and "newcomers_accuracy" in first
@@ -189,13 +192,21 @@ def test_newcomers_join_as_a_new_process_get_a_model_and_are_evaluated(dynamic_r
     assert trained
 
 
-def test_drift_raises_flags_and_triggers_reclustering(dynamic_run):
-    _, rows, summary = dynamic_run
+def test_drift_is_noticed_by_the_devices_and_its_clients_move(dynamic_run):
+    out, rows, summary = dynamic_run
     drift = next(e for e in rows[10]["events"] if e["kind"] == "drift")
     assert sorted(drift["clients"])[:3] == [0, 1, 2]
+    assert not [e for r in rows[:10] for e in r["events"] if e["kind"] == "recluster"]  # no false alarm
+    # each moved client's device tested its new data at once and said so: all are re-placed
+    # at the end of the drift's own round, none waits to be selected
+    assert drift["noticed"] == sorted(drift["clients"])
     reclusters = [e for r in rows[10:] for e in r["events"] if e["kind"] == "recluster"]
-    assert reclusters and reclusters[0]["cause"] == "flags"
-    assert set(reclusters[0]["clients"]) <= set(drift["clients"])
+    assert [e["round"] for e in reclusters] == [11] and reclusters[0]["cause"] == "flags"
+    assert reclusters[0]["clients"] == drift["noticed"] and reclusters[0]["moved"] == drift["noticed"]
+    assert reclusters[0]["ari"] == 1.0  # against the truth after the drift
+    with np.load(out / "flt" / "clusters_timeline.npz") as z:
+        assert z["rounds"][0] == 0 and len(z["rounds"]) == 2 + len(reclusters)  # initial, arrival, each re-placement
+    assert (out / "flt" / "clusters_timeline.png").is_file()
     changes = summary["methods"]["flt"]["changes"]
     assert [c["kind"] for c in changes] == ["arrival", "drift"]
     assert summary["methods"]["flt"]["emulated_s"] > 0
@@ -252,7 +263,7 @@ def test_server_side_monitor_flags_a_client_whose_update_turns_away(tmp_path):
     assert set(flt.flag_round) == {4} and flt.monitored == {4}
     fed = SimpleNamespace(present=np.arange(m), transport=SimpleNamespace(ledger=Ledger()))
     flt.embed = lambda fed, who, rnd, purpose: _answered(who)
-    flt.relate = lambda clients, tag="": {}
+    flt.relate = lambda clients, tag="", fresh=None: {}
     assert [e["cause"] for e in flt.maintain(1, fed)] == ["monitor"]
 
 

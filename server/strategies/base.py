@@ -146,6 +146,10 @@ class Strategy:
         """Newcomers joined before this round (their devices are connected)."""
         return None
 
+    def on_notice(self, rnd: int, clients: np.ndarray) -> None:
+        """Devices reported, unprompted, that these clients' data moved (their own test,
+        devices/watch.py; only a method whose device half watches gets any)."""
+
     def maintain(self, rnd: int, fed: FederationView) -> list[dict]:
         """After aggregation: periodic or triggered work (FLT's re-clustering); returns events."""
         return []

@@ -22,12 +22,17 @@ average of the models of its *selected* neighbours (p_j = n_j), and a client non
 whose neighbours trained keeps its model. With A~ = all ones this is exactly FedAvg;
 with A~ = I it is Local training.
 
-Dynamic FLT: clients raise a flag delta when their data changed; when more than lambda
-flags are outstanding (`recluster_flags`), when one has waited `flag_patience` rounds, or
-every tau rounds (`recluster_every`), every flagged client (everyone, for tau) re-embeds
-and step 3 re-runs. A newcomer joins the cluster whose mean embedding is nearest, or
-triggers the re-run (`newcomers`). A client without a cluster (its embedding failed)
-trains and is evaluated with the global model and never touches a cluster's model.
+Dynamic FLT, with its defaults: a device tests its data against what it embedded when its
+store changes and raises the flag delta when the test says it moved (devices/watch.py);
+any flag (more than lambda = `recluster_flags`, 0 by default; or one waiting
+`flag_patience` rounds; or every tau rounds) has the flagged clients re-embed, as
+newcomers do on arrival. FCR's server side then re-runs over everyone with the fresh
+centroids, and the clusters settle (server/placement.py): kept (fresh clients join the
+nearest old cluster, or open a new one where the re-run separates them from everyone) or
+the re-run, by silhouette. A cluster that continues keeps its id and its model; a new one
+starts from its nearest old cluster's model or the global one, whichever has the lower
+loss on its members' data. A client without a cluster (its embedding failed) trains and is
+evaluated with the global model and never touches a cluster's model.
 """
 
 from __future__ import annotations
@@ -40,9 +45,10 @@ import torch
 
 from flt.models.autoencoder import export_encoder_onnx
 from flt.models.flat import flatten
+from flt.models.wire import Message
 from flt.scenarios.errors import DeviceError
 from flt.server import encoder as enc
-from flt.server import fcr
+from flt.server import fcr, placement
 from flt.server.exchange import Exchange
 from flt.server.fcr_report import agreement
 from flt.server.strategies.base import (
@@ -62,7 +68,8 @@ from flt.server.strategies.params import check_flt, flt_pipeline
 
 class FLT(Strategy):
     name = "flt"
-    DEVICE_OPS = ("train", "evaluate", "embed")  # embed: FCR's encoder and k-means (also PCA+kM+HC)
+    # embed: FCR's encoder and k-means (also PCA+kM+HC); choose: a new cluster's start model
+    DEVICE_OPS = ("train", "evaluate", "embed", "choose")
     PARAMS = FLT_PARAMS  # server/strategies/params.py: every method's parameters, torch-free
 
     @classmethod
@@ -89,6 +96,8 @@ class FLT(Strategy):
         self.monitored: set[int] = set()  # of those, flagged by the server-side monitor
         self.payload_bytes, self.centroids_sent, self.encoders_sent = 0, 0, 0
         self.encoder_info: dict = {}
+        self.opened: dict[int, int] = {}  # clusters the last placement opened -> their nearest old one
+        self.timeline: list[tuple[int, np.ndarray]] = []  # (round, labels) at every clustering
 
     # -- FCR ----------------------------------------------------------------------------
     def setup(self, fed: FederationView) -> None:
@@ -107,6 +116,7 @@ class FLT(Strategy):
             unassigned=sorted(set(np.asarray(fed.present).tolist()) - set(ex.results)),
         )
         self.fcr_reports.append(report)
+        self.timeline.append((0, self.labels.copy()))
 
     def embed(self, fed: FederationView, clients, rnd: int, purpose: str = "fcr") -> Exchange:
         """Send the encoder to `clients`, keep the k x e centroids they send back; a client
@@ -154,9 +164,12 @@ class FLT(Strategy):
         """The pipeline for these points (PCA+kM+HC fills a scale-free gamma here)."""
         return self.how
 
-    def relate(self, clients, tag: str = "") -> dict:
-        """Steps 3-4 of FCR over `clients` that have centroids; models carry over from the
-        old clustering. Returns the FCR report (also appended by the caller)."""
+    def relate(self, clients, tag: str = "", fresh=None) -> dict:
+        """Steps 3-4 of FCR over `clients` that have centroids. With `fresh` (the clients
+        whose centroids are new since the last clustering) and disjoint clusters, the old
+        clusters are kept or the re-run taken (server/placement.py), ids and models
+        continuing; else models carry over from the old clustering. Returns the FCR
+        report (also appended by the caller)."""
         tic = time.perf_counter()
         clients = np.array(sorted(c for c in np.asarray(clients).tolist() if c in self.centroids))
         points = self.project([self.centroids[c] for c in clients])
@@ -166,27 +179,35 @@ class FLT(Strategy):
             points, how, self.params["clusters"], self.params["max_clusters"], self.ctx.device, classes=classes
         )
         labels = np.full(self.ctx.n_clients, -1, dtype=np.int64)
-        labels[clients] = found.labels
         graph = np.eye(self.ctx.n_clients, dtype=np.float32)
-        graph[np.ix_(clients, clients)] = (
-            found.graph
-            if self.params["adjacency"] == "hard"
-            else fcr.soft_weights(found.distance, how.gamma or _median_offdiagonal(found.distance))
-        )
-        self._carry_models(labels, graph, found.n_clusters)
         old = self.labels
+        placed: dict = {}
+        if fresh is not None and self.params["aggregation"] == "case2":
+            chosen, placed = self._settle(clients, np.isin(clients, fresh), found)
+            labels[clients] = chosen
+            graph[np.ix_(clients, clients)] = fcr.cluster_graph(chosen)
+        else:
+            chosen = found.labels
+            labels[clients] = chosen
+            graph[np.ix_(clients, clients)] = (
+                found.graph
+                if self.params["adjacency"] == "hard"
+                else fcr.soft_weights(found.distance, how.gamma or _median_offdiagonal(found.distance))
+            )
+            self._carry_models(labels, graph, found.n_clusters)
         self.labels, self.graph = labels, graph
         order = fcr.leaf_order(found.linkage, len(clients))
         truth = self.ctx.truth[clients]
         report = {
             "server_seconds": time.perf_counter() - tic,
-            "clusters": found.n_clusters,
+            "clusters": int(len(np.unique(chosen))),
             "gamma": how.gamma,
-            "silhouette": found.silhouette,
+            "silhouette": fcr.silhouette_or_zero(found.distance, chosen) if placed else found.silhouette,
             "separation": found.separation,
             "pipeline": asdict(how),
-            "cluster_sizes": np.bincount(found.labels).tolist(),
-            "mean_degree": float(found.graph.sum(1).mean()),
+            "cluster_sizes": np.unique(chosen, return_counts=True)[1].tolist(),
+            **placed,
+            "mean_degree": float(graph[np.ix_(clients, clients)].sum(1).mean()),
             "n_clients": int(len(clients)),
             "latent": int(points[0].shape[1])
             if self.how.space == "embedding"
@@ -194,13 +215,13 @@ class FLT(Strategy):
             "centroids_sent": self.centroids_sent,
             "encoder_bytes": self.payload_bytes,
             **self.encoder_info,
-            **agreement(found.labels, truth),
+            **agreement(chosen, truth),
         }
         arrays = {
             "clients": clients,
             "adjacency": found.distance,
-            "graph": found.graph,
-            "labels": found.labels,
+            "graph": graph[np.ix_(clients, clients)],
+            "labels": chosen,
             "truth": truth,
             "old_labels": old[clients],
             "linkage": found.linkage,
@@ -211,7 +232,9 @@ class FLT(Strategy):
         }
         if classes is not None:  # k: labels, each centroid's class
             arrays["classes"] = np.concatenate(classes)
-        self.emit(Artifact(f"fcr{tag}", arrays, plot="fcr"))
+        # figures for a clustering that changed something (a re-placement that kept every
+        # label gets its arrays only: drawing costs about a second per clustering)
+        self.emit(Artifact(f"fcr{tag}", arrays, plot="fcr" if not tag or (old[clients] != chosen).any() else None))
         return report
 
     def _carry_models(self, labels: np.ndarray, graph: np.ndarray, n_clusters: int) -> None:
@@ -236,6 +259,59 @@ class FLT(Strategy):
                 new[j] = weighted_average(self.models[self.labels[members]], n[members])
         self.models = new
 
+    def _settle(self, clients: np.ndarray, fresh: np.ndarray, found: fcr.Clustering) -> tuple[np.ndarray, dict]:
+        """Case II after fresh centroids: kept or re-run (server/placement.py). A cluster
+        that continues keeps its model; a new one starts from the global model until
+        `start_models` measures it against its nearest old cluster's. Returns the labels
+        of `clients` and what the report says of the placement."""
+        old = self.labels[clients]
+        next_id = len(self.models)
+        if self.params["newcomers"] == "recluster":
+            chosen, how = placement.match_labels(old, found.labels, next_id), "rerun"
+        else:
+            chosen, how = placement.settle(found.distance, old, fresh, found.labels, self.how.silhouette_slack, next_id)
+        opened = np.unique(chosen[chosen >= next_id])
+        near = placement.mean_distance_to_clusters(found.distance, old, np.flatnonzero(~fresh & (old >= 0)))
+        self.opened = {}
+        for j in opened.tolist():  # each new cluster's nearest old one, by mean A of its members
+            if near.shape[1]:
+                self.opened[j] = int(near[chosen == j].mean(0).argmin())
+        size = max(next_id, int(chosen.max()) + 1 if len(chosen) else 0)
+        grown = self._global_model()[None].expand(size, -1).clone()
+        grown[:next_id] = self.models
+        self.models = grown  # rows of clusters gone stay: ids never change meaning
+        moved = clients[(old >= 0) & (old != chosen)]
+        return chosen, {"placement": how, "opened": opened.tolist(), "moved": moved.tolist()}
+
+    def start_models(self, rnd: int, fed: FederationView, purpose: str) -> dict:
+        """Each cluster opened by the last placement starts from its nearest old cluster's
+        model or the global one, whichever has the lower loss on its members' own training
+        data (the `choose` op, devices/methods/choose.py; IFCA's estimate, two candidates).
+        Returns {cluster: "nearest" | "global"} and the exchange's bytes."""
+        chosen: dict[int, str] = {}
+        spent = 0
+        present = set(np.asarray(fed.present).tolist())
+        for j, k in self.opened.items():
+            members = [c for c in np.flatnonzero(self.labels == j).tolist() if c in present]
+            candidates = torch.stack([self.models[k], self._global_model()]).cpu().numpy()
+            msgs = {
+                c: Message("task", rnd, c, tensors={"model": candidates}, meta={"op": "choose", "traffic": "model"})
+                for c in members
+            }
+            ex = fed.exchange(purpose, rnd, msgs, "result")
+            spent += ex.bytes
+            loss = np.zeros(2)
+            for c, r in ex.results.items():
+                got = np.asarray(r.tensors.get("losses", ()), dtype=np.float64)
+                if got.shape == (2,) and np.isfinite(got).all():  # anything else: not counted
+                    loss += got * self.ctx.n_train[c]
+            pick = int(loss[1] < loss[0])  # no usable reply: the nearest cluster's model
+            chosen[j] = ("nearest", "global")[pick]
+            if pick == 0:
+                self.models[j] = self.models[k]
+        self.opened = {}
+        return {"start_models": chosen, "start_bytes": spent} if chosen else {}
+
     def _global_model(self) -> torch.Tensor:
         """Sample-weighted mean of the clustered clients' models: what a client with no
         cluster (and no embedding to place it) trains and is evaluated with."""
@@ -247,25 +323,39 @@ class FLT(Strategy):
 
     # -- a changing population (dynamic FLT) --------------------------------------------
     def on_arrival(self, rnd: int, clients: np.ndarray, fed: FederationView) -> dict:
-        """Newcomers embed their data; they join the cluster whose mean embedding is nearest
-        (`newcomers: nearest`), or FCR's server side re-runs over everyone (`recluster`),
-        with every client whose flag is outstanding re-embedding too."""
+        """Newcomers embed their data (with every client whose flag is outstanding), then
+        they are placed (`newcomers`): `auto` keeps the clusters or takes FCR's re-run,
+        whichever the silhouette prefers, opening a cluster for a group of newcomers
+        unlike everyone (server/placement.py); `nearest` joins each to the nearest
+        cluster; `recluster` always takes the re-run."""
         tic = time.perf_counter()
-        if self.params["newcomers"] == "recluster":
-            who = np.union1d(clients, self._outstanding(fed.present))
-            ex = self.embed(fed, who, rnd, purpose="arrival")
-            report = self.relate(fed.present, tag=f"-round{rnd}")
-            report.update(round=rnd, cause="arrival", clients_embedded=who.tolist(), **_cost(ex))
-            self.fcr_reports.append(report)
-        else:
+        if self.params["newcomers"] == "nearest":
             ex = self.embed(fed, clients, rnd, purpose="arrival")
-            report = self._place_nearest(clients)
+            report = {"placement": "nearest", **self._place_nearest(clients)}
+        else:
+            who = np.union1d(clients, self._outstanding(fed.present))
+            report = self.reconcile(rnd, fed, who, "arrival")
+            ex = None
         return {
-            "placement": self.params["newcomers"],
+            "newcomers": self.params["newcomers"],
             "seconds": time.perf_counter() - tic,
-            "fcr_bytes": ex.bytes,
+            **({"fcr_bytes": ex.bytes} if ex else {}),
             **report,
         }
+
+    def reconcile(self, rnd: int, fed: FederationView, who: np.ndarray, cause: str) -> dict:
+        """`who` re-embed, FCR's server side re-runs over everyone present with their fresh
+        centroids, the clusters settle (kept or re-run) and new clusters get their start
+        models. Appends and returns the FCR report."""
+        ex = self.embed(fed, who, rnd, purpose="recluster" if cause != "arrival" else "arrival")
+        report = self.relate(fed.present, tag=f"-round{rnd}", fresh=np.array(sorted(ex.results), dtype=np.int64))
+        report.update(round=rnd, cause=cause, clients_embedded=np.asarray(who).tolist(), **_cost(ex))
+        report.update(self.start_models(rnd, fed, purpose="recluster"))
+        report["fcr_bytes"] += report.get("start_bytes", 0)
+        self.fcr_reports.append(report)
+        self.timeline.append((rnd, self.labels.copy()))
+        self.emit(Artifact("clusters_timeline", self._timeline_arrays(), plot="timeline"))
+        return report
 
     def _place_nearest(self, clients) -> dict:
         """Put each client (with centroids) in the cluster whose mean embedding is nearest."""
@@ -296,7 +386,8 @@ class FLT(Strategy):
         return np.array(sorted(set(self.flag_round) & set(np.asarray(present).tolist())), dtype=np.int64)
 
     def maintain(self, rnd: int, fed: FederationView) -> list[dict]:
-        """Re-run FCR when more than lambda flags are outstanding, when one has waited
+        """Re-run FCR when more than lambda flags are outstanding (lambda = 0 by default:
+        any flag, at the end of the round it arrived in), when one has waited
         `flag_patience` rounds, or every tau rounds. Every client with an outstanding flag
         re-embeds; for tau, everyone does."""
         lam, tau = self.params["recluster_flags"], self.params["recluster_every"]
@@ -313,22 +404,23 @@ class FLT(Strategy):
             cause = "flags" if len(flagged) > lam else "patience"
         who = np.asarray(fed.present) if periodic else flagged
         tic, old = time.perf_counter(), self.labels.copy()
-        ex = self.embed(fed, who, rnd, purpose="recluster")
-        report = self.relate(fed.present, tag=f"-round{rnd}")
-        report.update(round=rnd, cause=cause, clients_embedded=who.tolist(), **_cost(ex))
-        self.fcr_reports.append(report)
+        report = self.reconcile(rnd, fed, who, cause)
         event = {
             "kind": "recluster",
             "round": rnd,
             "cause": cause,
             "clients": who.tolist(),
             "seconds": time.perf_counter() - tic,
-            "fcr_bytes": ex.bytes,
+            "fcr_bytes": report["fcr_bytes"],
             "old_labels": old.tolist(),
             "new_labels": self.labels.tolist(),
-            **{k: report[k] for k in ("clusters", "cluster_sizes", "ari", "nmi") if k in report},
+            **{k: report[k] for k in EVENT_KEYS if k in report},
         }
         return [event]
+
+    def _timeline_arrays(self) -> dict[str, np.ndarray]:
+        rounds, labels = zip(*self.timeline, strict=True)
+        return {"rounds": np.array(rounds, dtype=np.int64), "labels": np.stack(labels)}
 
     # -- training -----------------------------------------------------------------------
     def row(self, client: int) -> int:
@@ -351,6 +443,10 @@ class FLT(Strategy):
         for c, r in results.items():
             if r.meta.get("flag"):
                 self.flag_round.setdefault(c, rnd)
+
+    def on_notice(self, rnd: int, clients: np.ndarray) -> None:
+        for c in clients.tolist():  # re-placed at the end of this round, like a flag in an update
+            self.flag_round.setdefault(int(c), rnd)
 
     def aggregate(self, rnd, results: dict[int, Result]) -> None:
         # a client with no cluster trained the global model: it must not overwrite a cluster's
@@ -430,6 +526,9 @@ class FLT(Strategy):
             + self.centroids_sent * latent * 4
             + 2 * selections * model_bytes,
         }
+
+
+EVENT_KEYS = ("clusters", "cluster_sizes", "placement", "moved", "opened", "start_models", "ari", "nmi")
 
 
 def _cost(ex: Exchange) -> dict:

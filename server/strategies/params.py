@@ -191,14 +191,18 @@ FLT = {
     "max_clusters": Field(int, 20, "upper bound when clusters is 'auto'", min=1),
     "newcomers": Field(
         str,
-        "nearest",
-        "place a newcomer in the cluster with the nearest mean embedding, or re-run FCR over everyone",
-        choices=("nearest", "recluster"),
+        "auto",
+        "auto: keep the clusters or take FCR's re-run over everyone, whichever has the higher silhouette "
+        "(a group of newcomers unlike every cluster opens its own); nearest: join the cluster with the "
+        "nearest mean embedding; recluster: always the re-run",
+        choices=("auto", "nearest", "recluster"),
     ),
     "recluster_flags": Field(
         int,
-        None,
-        "lambda: re-run FCR when more than this many clients have an outstanding data-change flag (null: never)",
+        0,
+        "lambda: re-place flagged clients when more than this many have an outstanding data-change flag "
+        "(0: any flag, the round it arrives; null: never). A device raises its flag when a test says its "
+        "data moved (devices/watch.py)",
         nullable=True,
         min=0,
     ),
