@@ -254,13 +254,18 @@ def embed(device: Device, batch: list[Message]) -> list[Message]:
         # the image test sees neither a fine-tuned encoder it does not keep nor a label
         # change (k: labels): then any change of the store raises the flag
         testable = meta["format"] != "autoencoder" and meta["k"] != "labels"
-        device.watch.remember(m.client, e, client_seed(0, m.client), kept=testable)
+        device.watch.remember(m.client, _images_of(device.shards[m.client]), client_seed(0, m.client), testable)
         out.append(
             Message(
                 "centroids", m.round, m.client, tensors={"centroids": c}, meta={"batch": m.meta["batch"], "n": len(e)}
             )
         )
     return out
+
+
+def _images_of(shard) -> Callable[[], np.ndarray]:
+    """The images a shard holds now (a drifted client gets a new shard: this one stays)."""
+    return lambda: shard.x.cpu().numpy()
 
 
 @register("snapshot")

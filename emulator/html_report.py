@@ -392,8 +392,12 @@ def fcr_section(run: Run) -> list[str]:
         reports = m.get("fcr_reports") or []
         if not reports:
             continue
+        timeline = run.path / label / "clusters_timeline.png"  # written once anything re-clustered
         parts += [
             f"<h3>FCR: {html.escape(label)}</h3>",
+            figure(timeline, f"{label}/clusters_timeline.png: who was in which cluster, round by round")
+            if timeline.is_file() and len(reports) > 1
+            else "",
             html_table(
                 *plain_table(
                     [

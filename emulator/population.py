@@ -252,7 +252,9 @@ def rounds_to_recover(
         return {}
     level = before[-1]
     low = min(after, key=level_of)
-    back = next((r for r in after if r["round"] >= low["round"] and level_of(r) >= level - tolerance), None)
+    # never out of the band: recovered at once (not at the round of its lowest wobble)
+    first = after[0] if level_of(low) >= level - tolerance else low
+    back = next((r for r in after if r["round"] >= first["round"] and level_of(r) >= level - tolerance), None)
     b0 = sum(sum(v.values()) for v in evals[len(before) - 1]["bytes"].values())
     out = {
         "round": event_round,

@@ -43,3 +43,11 @@ def test_recovery_after_an_arrival_compares_the_same_clients():
     assert like["measured_on"] == "incumbents" and like["newcomers_accuracy"] == 10.0
     mixed = rounds_to_recover(history, 3)
     assert mixed["lowest"] == 70.0 and mixed["rounds_to_recover"] is None
+
+
+def test_a_level_that_never_leaves_the_band_recovers_at_once_and_a_dip_counts_from_its_bottom():
+    wobble = [_round(1, 90.0), _round(2, 89.8), _round(3, 89.5), _round(4, 89.9)]
+    r = rounds_to_recover(wobble, 2)
+    assert r["lowest"] == 89.5 and r["rounds_to_recover"] == 0  # within 1 point throughout
+    dip = [_round(1, 90.0), _round(2, 60.0), _round(3, 88.5), _round(4, 89.5)]
+    assert rounds_to_recover(dip, 2)["rounds_to_recover"] == 2  # back in the band at round 4

@@ -268,8 +268,7 @@ def test_report_of_a_real_run_through_the_cli(tmp_path):
             "--set",
             "population.drift=[]",
             "--set",
-            "methods=[{name: flt, encoder: {dataset: public, epochs: 3}, aggregation: case2, "
-            "newcomers: recluster}, fedavg]",
+            "methods=[{name: flt, encoder: {dataset: public, epochs: 3}}, fedavg]",
         ],
         cwd=REPO,
         capture_output=True,
@@ -283,6 +282,7 @@ def test_report_of_a_real_run_through_the_cli(tmp_path):
     page = run / "report" / "report.html"
     html = page.read_text()
     assert "round 2 (arrival)" in html and "adjacency-round2.png" in html and "rounds_to_recover" in html
+    assert "clusters_timeline.png" in html  # who was in which cluster, round by round
     dom, _ = open_in_chromium(page, tmp_path)
     count = len(_images(html))
     assert count >= 6 and f'data-images="{count}/{count}"' in dom

@@ -44,12 +44,11 @@ def test_watch_tests_only_after_a_change_and_flags_only_a_move():
     watch, emb = w.Watch(), Counting()
     watch.embedder = emb
     x = images(0.0)
-    watch.remember(3, emb(x), seed=5, kept=True)
-    emb.calls = 0
-    assert not watch.pending(3)  # nothing changed: nothing to test, no cost
+    watch.remember(3, lambda: x, seed=5, testable=True)
+    assert not watch.pending(3) and emb.calls == 0  # nothing changed: nothing to test, no cost
     watch.changed(3)
     assert watch.pending(3) and not watch.moved(3, images(0.0, seed=1))  # new draw, same distribution
-    assert not watch.pending(3) and emb.calls == 1  # that store is tested once
+    assert not watch.pending(3) and emb.calls == 2  # old and new sample, once per store
     watch.changed(3)
     assert watch.moved(3, images(0.5, seed=2))
     assert [c for c, _ in watch.tests] == [3, 3]
@@ -57,14 +56,17 @@ def test_watch_tests_only_after_a_change_and_flags_only_a_move():
 
 def test_without_a_kept_encoder_any_change_counts_as_a_move():
     watch = w.Watch()
-    watch.remember(1, np.zeros((10, 8), np.float32), seed=0, kept=False)
+    watch.remember(1, lambda: images(0.0), seed=0, testable=False)
     watch.changed(1)
     assert watch.moved(1, images(0.0))
     assert not watch.watched(2) and not watch.pending(2)  # never embedded: not the watch's
+    watch.forgotten(4)  # a resumed device: it embedded before, its reference is gone
+    watch.changed(4)
+    assert watch.pending(4) and watch.moved(4, images(0.0))
 
 
 def test_the_sample_is_fixed_per_seed_and_bounded():
     a, b = w.sample_index(600, 9), w.sample_index(600, 9)
     np.testing.assert_array_equal(a, b)
-    assert len(a) == w.REFERENCE and len(set(a.tolist())) == w.REFERENCE
+    assert len(a) == w.SAMPLE and len(set(a.tolist())) == w.SAMPLE
     np.testing.assert_array_equal(w.sample_index(10, 9), np.arange(10))

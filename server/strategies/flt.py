@@ -291,9 +291,10 @@ class FLT(Strategy):
         chosen: dict[int, str] = {}
         spent = 0
         present = set(np.asarray(fed.present).tolist())
+        everyone = self._global_model()
         for j, k in self.opened.items():
             members = [c for c in np.flatnonzero(self.labels == j).tolist() if c in present]
-            candidates = torch.stack([self.models[k], self._global_model()]).cpu().numpy()
+            candidates = torch.stack([self.models[k], everyone]).cpu().numpy()
             msgs = {
                 c: Message("task", rnd, c, tensors={"model": candidates}, meta={"op": "choose", "traffic": "model"})
                 for c in members
@@ -449,8 +450,9 @@ class FLT(Strategy):
             self.flag_round.setdefault(int(c), rnd)
 
     def aggregate(self, rnd, results: dict[int, Result]) -> None:
-        # a client with no cluster trained the global model: it must not overwrite a cluster's
-        results = {c: r for c, r in results.items() if self.row(c) >= 0}
+        # a client with no cluster trained the global model: it must not overwrite a cluster's;
+        # a client whose data moved (flag outstanding) must not pull its old cluster along
+        results = {c: r for c, r in results.items() if self.row(c) >= 0 and c not in self.flag_round}
         if not results:
             return
         if self.params["aggregation"] == "case2":
