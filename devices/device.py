@@ -228,8 +228,9 @@ class Device:
     def on_drift(self, msg: Message) -> None:
         """Emulated data drift: the client's shard is replaced (indices into the same
         dataset). Nothing tells the client whether its distribution moved: its store
-        changed, and its next task tests that (`change_flag`). A replay (meta "flag" 0:
-        a resumed run or the next method's undo) is no change."""
+        changed, and the device tests that at once if the client embedded (`change_flag`,
+        devices/watch.py), answering with a notice when asked (meta "notice"). A replay
+        (meta "flag" 0: the next method's undo) is no change."""
         if msg.client not in self.shards:
             raise KeyError(f"drift for client {msg.client}, which {self.name} does not host")
         train, test = self.splits
@@ -257,13 +258,10 @@ class Device:
         """The flag delta a reply carries: up from a change until the client re-embeds.
         A store changed since the client embedded is tested first (devices/watch.py)."""
         if self.watch.pending(client):
+            tested = len(self.watch.tests)
             moved = self.watch.moved(client, self.shards[client].x.cpu().numpy())
-            p = (
-                f"p = {self.watch.tests[-1][1]:.3f}"
-                if self.watch.tests and self.watch.tests[-1][0] == client
-                else "untested"
-            )
-            log.info("%s: client %d's data changed (%s): %s", self.name, client, p, "flag" if moved else "no flag")
+            why = f"p = {self.watch.tests[-1][1]:.3f}" if len(self.watch.tests) > tested else "untested"
+            log.info("%s: client %d's data changed (%s): %s", self.name, client, why, "flag" if moved else "no flag")
             if moved:
                 self.flags.add(client)
         return client in self.flags
