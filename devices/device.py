@@ -27,14 +27,14 @@ import numpy as np
 import torch
 import zmq
 
+from flt.common.heap import limit_heap_retention, skip_triton
+from flt.common.keys import Credentials, HandshakeWatch
+from flt.common.wire import Message, ProtocolError, decode, encode
 from flt.devices import ops
 from flt.devices.trainer import CohortTrainer
 from flt.devices.watch import Watch
 from flt.models.flat import param_spec
-from flt.models.heap import limit_heap_retention, skip_triton
-from flt.models.keys import Credentials, HandshakeWatch
 from flt.models.nets import build_model
-from flt.models.wire import Message, ProtocolError, decode, encode
 from flt.scenarios.datasets import load_shared
 from flt.scenarios.shift import ClientShift, client_shifts
 
@@ -404,7 +404,7 @@ def main(argv=None) -> int:
     p.add_argument("--key", help="this device's NAME.key_secret (from `flt keys`): CURVE")
     p.add_argument("--server-key", help="the server's server.key (from `flt keys`)")
     a = p.parse_args(argv)
-    skip_triton()  # before the first vmap imports torch._dynamo (models/heap.py)
+    skip_triton()  # before the first vmap imports torch._dynamo (common/heap.py)
     limit_heap_retention()  # a device lives for the whole run: freed buffers go back to the system
     # force: a device forked from the emulator inherits its root logger (WARNING level), which
     # would silence this log

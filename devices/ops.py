@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from flt.common.wire import Message
 from flt.devices import embedding
 from flt.devices.trainer import CohortTrainer, TrainConfig
-from flt.models.wire import Message
 
 if TYPE_CHECKING:
     from flt.devices.device import Device

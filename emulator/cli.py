@@ -7,8 +7,8 @@ import logging
 import sys
 from collections.abc import Callable
 
-from flt.models.heap import limit_heap_retention
-from flt.scenarios.errors import FltError
+from flt.common.errors import FltError
+from flt.common.heap import limit_heap_retention
 
 
 def main(argv=None) -> int:
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     keys_.add_argument("--prefix", default="edge", help="device names PREFIX-0, PREFIX-1, ... (default edge)")
 
     args = parser.parse_args(argv)
-    limit_heap_retention()  # the server lives for the whole run too (models/heap.py)
+    limit_heap_retention()  # the server lives for the whole run too (common/heap.py)
     args.argv = sys.argv[1:] if argv is None else list(argv)  # recorded in each run folder
     logging.basicConfig(
         level=logging.WARNING if args.cmd != "device" else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
@@ -117,8 +117,8 @@ def main(argv=None) -> int:
 
 
 def _device(args) -> int:
+    from flt.common.keys import Credentials
     from flt.devices.device import Device
-    from flt.models.keys import Credentials
 
     creds: list = []
     code = guarded(lambda: creds.append(Credentials.load(args.key, args.server_key)))
@@ -129,7 +129,7 @@ def _keys(args) -> None:
     """Make the key files; print where they are, never a secret key."""
     from pathlib import Path
 
-    from flt.models.keys import make_keys
+    from flt.common.keys import make_keys
 
     folder = Path(args.dir)
     names = make_keys(folder, args.devices, args.prefix)
@@ -223,9 +223,9 @@ def _resume(args) -> None:
     (a scenario or --set would make it another run)."""
     from pathlib import Path
 
+    from flt.common.schema import ConfigError
     from flt.emulator import config
     from flt.emulator.run import run_scenario
-    from flt.models.schema import ConfigError
     from flt.server.progress import active
 
     run_dir = Path(args.resume)

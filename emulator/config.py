@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from flt.common.errors import short
+from flt.common.schema import ConfigError, Field, MethodSpec, section, validate
 from flt.emulator.profiles import ProfileError, profiles_from_distribution
-from flt.models.schema import ConfigError, Field, MethodSpec, section, validate
 from flt.scenarios.datasets import DATASETS, DataError, dataset_key, load_dataset
-from flt.scenarios.errors import short
 from flt.scenarios.shift import KINDS, level_problem
 from flt.server.auth import SECURITY, security_problem
 from flt.server.strategies.params import METHODS  # torch-free: a typo answers before anything heavy loads

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flt.common.schema import ConfigError
 from flt.emulator.clock import EmulatedClock, close_round, overcommit_count, task_seconds
 from flt.emulator.profiles import Profiles
-from flt.models.schema import ConfigError
 
 
 @dataclass

@@ -18,8 +18,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from flt.common.errors import DeviceError
 from flt.emulator.zygote import Zygote, preload
-from flt.scenarios.errors import DeviceError
 from flt.server.transport import Transport
 
 START_METHODS = ("forkserver", "exec")

@@ -25,9 +25,9 @@ from io import StringIO
 from pathlib import Path
 from typing import Any
 
+from flt.common.errors import DeviceError
+from flt.common.schema import ConfigError
 from flt.emulator.processes import DeviceFleet
-from flt.models.schema import ConfigError
-from flt.scenarios.errors import DeviceError
 from flt.server.auth import is_loopback
 from flt.server.transport import Transport
 
@@ -55,8 +55,8 @@ class DeviceHost:
 
     def run(self) -> tuple[int, str]:
         """Serve the server until it says shutdown; (exit code, this device's log)."""
+        from flt.common.keys import Credentials
         from flt.devices.device import Device
-        from flt.models.keys import Credentials
 
         log, handler = _capture_log()
         try:

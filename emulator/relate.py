@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flt.common.schema import ConfigError
 from flt.emulator import processes, report
 from flt.emulator.run import (
     aggregation_device,
@@ -30,7 +31,6 @@ from flt.emulator.run import (
     make_run_dir,
     record_shift,
 )
-from flt.models.schema import ConfigError
 from flt.server import fcr
 from flt.server.auth import gate_for
 from flt.server.encoder import image_source
@@ -59,7 +59,7 @@ def pick_method(cfg: dict, label: str | None) -> dict:
 
 
 def _defaults(cls) -> dict:
-    from flt.models.schema import validate
+    from flt.common.schema import validate
 
     return validate({}, cls.PARAMS, cls.name)
 

@@ -17,16 +17,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flt.common.errors import DeviceError, short
+from flt.common.wire import Message, encode, frame_bytes
 from flt.emulator import processes, report
 from flt.emulator.config import dump, load_encoder_sources
 from flt.emulator.population import Population, assign_profiles, schedule_from
 from flt.models.flat import flatten
 from flt.models.nets import build_model
-from flt.models.wire import Message, encode, frame_bytes
 from flt.scenarios import partition as part
 from flt.scenarios import shift
 from flt.scenarios.datasets import Dataset, load_shared
-from flt.scenarios.errors import DeviceError, short
 from flt.server import checkpoint
 from flt.server.auth import gate_for
 from flt.server.encoder import image_source

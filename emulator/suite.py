@@ -17,9 +17,9 @@ from pathlib import Path
 
 import yaml
 
+from flt.common.errors import FltError
+from flt.common.schema import ConfigError
 from flt.emulator import config, report
-from flt.models.schema import ConfigError
-from flt.scenarios.errors import FltError
 from flt.server.progress import Display, duration
 
 RUN_FILES = ("config.yaml", "partition.npz", "public_indices.npy")  # what a resume needs

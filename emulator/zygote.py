@@ -35,8 +35,8 @@ import sys
 import threading
 import time
 
-from flt.models.heap import skip_triton
-from flt.scenarios.errors import DeviceError
+from flt.common.errors import DeviceError
+from flt.common.heap import skip_triton
 
 # what a zygote imports before it forks any device (the CLI imports them before fork_here);
 # torch._dynamo: torch.func's vmap imports it on first use, 70 MB per process if not shared

@@ -47,7 +47,6 @@ import json
 import os
 import pickle
 import tarfile
-import tempfile
 import warnings
 import zlib
 from dataclasses import dataclass, replace
@@ -55,14 +54,14 @@ from pathlib import Path
 
 import numpy as np
 
-from flt.scenarios.errors import FltError, short
+from flt.common.errors import FltError, short
+from flt.common.files import cache_dir, save_npz_atomic, write_atomic
 
 __all__ = [
     "DATASETS",
     "EMNIST_SPLITS",
     "DataError",
     "Dataset",
-    "cache_dir",
     "dataset_key",
     "load_dataset",
     "load_shared",
@@ -115,38 +114,9 @@ class Dataset:
 # ----------------------------------------------------------------------------- helpers
 
 
-def cache_dir() -> Path:
-    """The cache folder: ``$FLT_CACHE`` or ``~/.cache/flt``."""
-    return Path(os.environ.get("FLT_CACHE") or Path.home() / ".cache" / "flt")
-
-
 def _key(*parts: object) -> str:
     h = hashlib.sha256(repr((_CACHE_VERSION, *parts)).encode())
     return h.hexdigest()[:20]
-
-
-def save_npz_atomic(path: Path, **arrays: np.ndarray) -> None:
-    """Write an uncompressed .npz under a temporary name, then rename into place.
-
-    Uncompressed so a reload is a plain read (well under a second for CIFAR-10);
-    the rename makes concurrent loaders see either nothing or a complete file.
-    """
-    # numpy's stubs type **arrays as if a key could be allow_pickle (a bool)
-    _write_atomic(path, lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]
-
-
-def _write_atomic(path: Path, write) -> None:
-    """Call write(file) on a temporary file beside `path`, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 # What a damaged file raises while it is read: a bad gzip header or CRC, a stream that
@@ -756,7 +726,7 @@ def _mapped(path: Path, arr: np.ndarray) -> np.ndarray:
             return done
     except (OSError, ValueError):  # missing, or cut short: (re)write it
         pass
-    _write_atomic(path, lambda f: np.save(f, np.ascontiguousarray(arr)))
+    write_atomic(path, lambda f: np.save(f, np.ascontiguousarray(arr)))
     return np.load(path, mmap_mode="r")
 
 

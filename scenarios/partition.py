@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from flt.scenarios.datasets import save_npz_atomic
-from flt.scenarios.errors import FltError
+from flt.common.errors import FltError
+from flt.common.files import save_npz_atomic
 from flt.scenarios.shift import ShiftPlan
 
 __all__ = [

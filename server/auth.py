@@ -31,8 +31,8 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
-from flt.models import keys
-from flt.scenarios.errors import FltError
+from flt.common import keys
+from flt.common.errors import FltError
 
 log = logging.getLogger("flt.auth")
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flt.scenarios.datasets import save_npz_atomic
+from flt.common.files import save_npz_atomic
 
 PROJECT = "flt"  # checkpoints name only classes of this package
 _STATE = "__state__"

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from flt.common.files import cache_dir
+from flt.common.schema import ConfigError
 from flt.models.autoencoder import ConvAE
-from flt.models.schema import ConfigError
 from flt.scenarios.datasets import load_dataset
 from flt.server.progress import active, step
 
@@ -86,16 +85,12 @@ def cache_key(images: np.ndarray, settings: dict) -> str:
     return h.hexdigest()[:24]
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("FLT_CACHE", Path.home() / ".cache" / "flt")) / "encoders"
-
-
 def pretrained_autoencoder(
     images: np.ndarray, settings: dict, device: torch.device, progress=None
 ) -> tuple[ConvAE, dict]:
     """Load from cache or pretrain; returns the model (eval mode, CPU) and a report."""
     key = cache_key(images, settings)
-    path = cache_dir() / f"convae-{key}.pt"
+    path = cache_dir() / "encoders" / f"convae-{key}.pt"
     torch.manual_seed(settings["seed"])  # initial weights too: the key must determine the encoder
     ae = ConvAE(tuple(images.shape[1:]), settings["latent"])
     # the final loss is kept beside the weights: a cache hit reports what a miss does

@@ -13,7 +13,7 @@ from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
-from flt.models.wire import Message
+from flt.common.wire import Message
 
 R = TypeVar("R")
 T = TypeVar("T")

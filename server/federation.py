@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flt.models.wire import Message
+from flt.common.wire import Message
 from flt.server import checkpoint
 from flt.server.checkpoint import restore_vars
 from flt.server.exchange import Exchange, ExchangeClock, Work

@@ -19,8 +19,8 @@ from typing import TypeGuard
 
 import numpy as np
 
-from flt.models.wire import Message
-from flt.scenarios.errors import short
+from flt.common.errors import short
+from flt.common.wire import Message
 
 # (train samples, test samples) of a client, as the partition says now (drift moves shards)
 ShardSizes = Callable[[int], tuple[int, int]]

@@ -20,8 +20,8 @@ from collections.abc import Callable
 import numpy as np
 import zmq
 
-from flt.models.wire import MAX_HEADER_BYTES, TRAFFIC_CLASSES, Message, ProtocolError, decode, encode, frame_bytes
-from flt.scenarios.errors import DeviceError, short
+from flt.common.errors import DeviceError, short
+from flt.common.wire import MAX_HEADER_BYTES, TRAFFIC_CLASSES, Message, ProtocolError, decode, encode, frame_bytes
 from flt.server.auth import Gate, Refused
 
 log = logging.getLogger("flt.server")

@@ -26,7 +26,7 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flt.models.wire import MAX_HEADER_BYTES, VERSION, Message, ProtocolError, decode, encode
+from flt.common.wire import MAX_HEADER_BYTES, VERSION, Message, ProtocolError, decode, encode
 
 MB = 1 << 20
 

@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flt.common.wire import Message
 from flt.devices.device import Device
 from flt.emulator.zygote import preload
-from flt.models.wire import Message
 
 REPLIES = ("ready", "update", "metrics", "centroids", "state")  # a reply to assign, train, evaluate, encoder, snapshot
 MODES = ("missing", "malformed", "wrong", "late")

@@ -108,8 +108,8 @@ def test_auto_vectorize_takes_the_loop_for_cnns_on_a_cpu_and_vmap_elsewhere():
 
 
 def test_a_scenario_accepts_auto_or_a_bool_for_vectorize_and_names_the_field_otherwise():
+    from flt.common.schema import ConfigError
     from flt.emulator import config
-    from flt.models.schema import ConfigError
 
     for value in ("auto", "true", "false"):
         assert config.load(QUICKSTART, [f"train.vectorize={value}"])["train"]["vectorize"] in ("auto", True, False)

@@ -15,8 +15,8 @@ import pytest
 import zmq
 from flt_command import flt, flt_popen, free_port  # tests/ is on sys.path under pytest
 
-from flt.models import keys
-from flt.models.wire import Message
+from flt.common import keys
+from flt.common.wire import Message
 from flt.server.auth import Gate, gate_for, is_loopback, security_problem
 from flt.server.transport import Transport
 
@@ -45,7 +45,7 @@ def peer(
     )
     code = textwrap.dedent(f"""
         import time, zmq
-        from flt.models.wire import Message, encode
+        from flt.common.wire import Message, encode
         s = zmq.Context().socket(zmq.DEALER); s.linger = 2000
         {curve}
         mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
@@ -264,7 +264,7 @@ def test_curve_frames_up_to_the_inbound_limit_still_arrive(key_dir):
     limit must not be dropped."""
     import numpy as np
 
-    from flt.models.wire import encode
+    from flt.common.wire import encode
 
     server = Transport(gate=Gate.from_dir(key_dir), max_inbound=2 << 20)
     _, secret = keys.read_key(key_dir / "edge-0.key_secret", secret=True)

@@ -8,8 +8,8 @@ import pytest
 import yaml
 from flt_command import flt  # tests/ is on sys.path under pytest
 
+from flt.common.schema import ConfigError
 from flt.emulator import config
-from flt.models.schema import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"

@@ -14,10 +14,10 @@ import pytest
 import torch
 from flt_command import flt  # tests/ is on sys.path under pytest
 
+from flt.common.wire import Message
 from flt.emulator.config import parse_methods
 from flt.emulator.population import Population
 from flt.emulator.profiles import Profiles
-from flt.models.wire import Message
 from flt.server.exchange import Exchange
 from flt.server.federation import _embedded, _trained
 from flt.server.strategies.base import Context

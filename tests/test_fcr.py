@@ -8,8 +8,8 @@ import pytest
 from scipy.spatial.distance import cdist
 from sklearn.metrics import adjusted_rand_score
 
+from flt.common.schema import ConfigError
 from flt.emulator.config import parse_methods
-from flt.models.schema import ConfigError
 from flt.server import fcr
 
 

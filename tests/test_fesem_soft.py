@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from flt.models.schema import ConfigError
+from flt.common.schema import ConfigError
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context, Result, cluster_average, one_hot
 from flt.server.strategies.fedsem import FedSEM

@@ -10,8 +10,8 @@ import torch
 from flt_command import flt  # tests/ is on sys.path under pytest
 from scipy.spatial.distance import cdist
 
+from flt.common.wire import Message
 from flt.emulator.config import parse_methods
-from flt.models.wire import Message
 from flt.server import fcr
 from flt.server.exchange import Exchange
 from flt.server.reporter import write_artifacts

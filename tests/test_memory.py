@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from flt.common.files import cache_dir
 from flt.devices.device import Images, _shard
 from flt.emulator.processes import DeviceFleet
 from flt.emulator.run import assign_clients
-from flt.scenarios.datasets import cache_dir, load_dataset, load_shared
+from flt.scenarios.datasets import load_dataset, load_shared
 from flt.scenarios.partition import Partition
 from flt.server.transport import Transport
 
@@ -93,12 +94,12 @@ def test_two_device_processes_map_the_same_cache_file(tmp_path):
 
 
 def test_evaluating_in_slices_of_clients_gives_each_client_the_same_figures():
+    from flt.common.wire import Message
     from flt.devices import ops
     from flt.devices.device import Device
     from flt.devices.trainer import CohortTrainer
     from flt.models.flat import flatten, param_spec
     from flt.models.nets import build_model
-    from flt.models.wire import Message
 
     ds = load_shared("digits", None, train=False)
     split = (Images(ds.x, torch.device("cpu")), torch.from_numpy(np.array(ds.y)))

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from flt.common.wire import Message, ProtocolError, decode, encode
 from flt.devices import ops
 from flt.devices.device import Device
 from flt.devices.trainer import CohortTrainer
 from flt.models.flat import flatten, param_spec
 from flt.models.nets import build_model
-from flt.models.wire import Message, ProtocolError, decode, encode
 from flt.server.federation import Federation
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Task

@@ -213,8 +213,8 @@ def test_drift_is_noticed_by_the_devices_and_its_clients_move(dynamic_run):
 
 
 def test_label_swap_drift_trades_two_labels_on_the_device_and_raises_the_flag():
+    from flt.common.wire import Message
     from flt.devices.device import Device, Images, _shard
-    from flt.models.wire import Message
 
     dev = Device("tcp://127.0.0.1:9", name="t")  # connect is lazy: no server needed here
     y = torch.tensor([0, 1, 2, 1, 0])

@@ -14,10 +14,10 @@ import pytest
 from flt_command import fedavg_running
 from test_end_to_end import QUICKSTART, flt  # tests/ is on sys.path under pytest
 
+from flt.common.heap import limit_heap_retention
+from flt.common.schema import ConfigError
 from flt.emulator import config
 from flt.emulator.processes import DeviceFleet
-from flt.models.heap import limit_heap_retention
-from flt.models.schema import ConfigError
 from flt.server.transport import Transport
 
 

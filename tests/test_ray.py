@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from flt_command import flt_popen  # tests/ is on sys.path under pytest
 
+from flt.common.keys import make_keys
+from flt.common.schema import ConfigError
 from flt.emulator import config
-from flt.models.keys import make_keys
-from flt.models.schema import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from flt.models.wire import Message
+from flt.common.wire import Message
 from flt.server.replies import centroids_check, metrics_check, update_check
 
 SIZES = {3: (50, 20)}.__getitem__  # client 3: 50 training, 20 test samples

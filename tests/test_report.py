@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from flt.common.schema import ConfigError
 from flt.emulator import html_report
 from flt.emulator.report import table
-from flt.models.schema import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

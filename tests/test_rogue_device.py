@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from flt_command import QUICKSTART, fedavg_running, flt_popen, free_port  # tests/ is on sys.path under pytest
 
+from flt.common.schema import ConfigError
 from flt.emulator.config import load
-from flt.models.schema import ConfigError
 from flt.server.auth import gate_for, uses_curve
 
 ROGUE = Path(__file__).with_name("rogue_device.py")

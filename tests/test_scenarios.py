@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import yaml
 
+from flt.common.schema import ConfigError
 from flt.emulator.config import load, resolve_paths
 from flt.models.nets import build_model
-from flt.models.schema import ConfigError
 from flt.scenarios.partition import Partition
 from flt.server.encoder import fit_shape
 from tests.conftest import REPO, SHARED_DATA, need_shared

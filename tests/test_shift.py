@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from flt.common.schema import ConfigError
 from flt.devices.device import Images, _shard
 from flt.emulator.config import resolve
 from flt.emulator.run import build_partition, hold_out_public, load_data
-from flt.models.schema import ConfigError
 from flt.scenarios.partition import partition_iid
 from flt.scenarios.shift import ClientShift, ShiftPlan, client_shifts, default_levels, derangements, group_of
 
@@ -192,7 +192,7 @@ def test_class_matched_set_distance_sees_a_label_swap_that_chamfer_cannot():
 
 
 def test_labelled_centroids_are_checked_before_use():
-    from flt.models.wire import Message
+    from flt.common.wire import Message
     from flt.server.replies import centroids_check
 
     check = centroids_check(lambda c: (3, 1), 64, labelled=True)

@@ -12,9 +12,9 @@ import pytest
 import torch
 from flt_command import flt  # tests/ is on sys.path under pytest
 
+from flt.common.schema import ConfigError
 from flt.emulator import config, suite
 from flt.models.autoencoder import ConvAE
-from flt.models.schema import ConfigError
 from flt.server.encoder import pretrain
 from flt.server.progress import Display, step
 

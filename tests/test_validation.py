@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from flt_command import flt  # tests/ is on sys.path under pytest
 
+from flt.common.errors import FltError
+from flt.common.schema import ConfigError
 from flt.emulator import config
 from flt.emulator.population import schedule_from
-from flt.models.schema import ConfigError
 from flt.scenarios import partition as part
-from flt.scenarios.errors import FltError
 from flt.server.strategies import STRATEGIES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -395,9 +395,9 @@ def test_devices_that_never_connect_exit_3_with_one_line(tmp_path):
 
 
 def test_every_user_facing_error_shares_the_base():
+    from flt.common.errors import DeviceError
     from flt.emulator.profiles import ProfileError
     from flt.scenarios.datasets import DataError
-    from flt.scenarios.errors import DeviceError
 
     for cls in (ConfigError, DataError, part.PartitionError, ProfileError, DeviceError):
         assert issubclass(cls, FltError)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zmq
 
-from flt.models.wire import VERSION, Message, ProtocolError, decode, encode, frame_bytes
+from flt.common.wire import VERSION, Message, ProtocolError, decode, encode, frame_bytes
 from flt.server.transport import Transport
 
 
@@ -67,7 +67,7 @@ def test_malformed_messages_are_rejected_with_a_reason(frames, what):
 
 
 def test_oversized_message_is_rejected(monkeypatch):
-    import flt.models.wire as wire
+    import flt.common.wire as wire
 
     monkeypatch.setattr(wire, "MAX_MESSAGE_BYTES", 64)
     with pytest.raises(ProtocolError, match="cap"):
@@ -80,7 +80,7 @@ def test_server_socket_survives_garbage_from_a_real_peer():
     server = Transport()
     peer = f"""
 import zmq, json, numpy as np
-from flt.models.wire import Message, encode
+from flt.common.wire import Message, encode
 s = zmq.Context().socket(zmq.DEALER); s.setsockopt(zmq.IDENTITY, b"peer"); s.connect({server.endpoint!r})
 s.send_multipart([b"garbage"])
 s.send_multipart([json.dumps({{"v": 1, "kind": "update", "round": 1, "client": 0,

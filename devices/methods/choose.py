@@ -9,8 +9,8 @@ the reply ("result") carries the index in meta "choice" and the K losses as tens
 
 from __future__ import annotations
 
+from flt.common.wire import Message
 from flt.devices.ops import candidate_losses, register, sent_models, shard_data
-from flt.models.wire import Message
 
 
 @register("choose")

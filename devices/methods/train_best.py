@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from flt.common.wire import Message
 from flt.devices.ops import candidate_losses, register, sent_models, shard_data, train_from
-from flt.models.wire import Message
 
 
 @register("train_best")

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from flt.common.wire import Message
 from flt.devices.ops import register, resident_model, train_from
-from flt.models.wire import Message
 
 
 @register("train_resident")

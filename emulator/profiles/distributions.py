@@ -37,9 +37,9 @@ import numbers
 
 import numpy as np
 
+from flt.common.errors import short
 from flt.emulator.profiles.units import MBPS_TO_BYTES, ProfileError, check_number
 from flt.emulator.profiles.windows import Profiles
-from flt.scenarios.errors import short
 
 DEFAULT_SPEC = {
     "compute": {"dist": "lognormal", "median_ms_per_sample": 20.0, "sigma": 0.5},

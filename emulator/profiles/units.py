@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 
-from flt.scenarios.errors import FltError, short
+from flt.common.errors import FltError, short
 
 KBPS_TO_BYTES = 1000.0 / 8.0  # 1 kbit/s = 125 bytes/s
 MBPS_TO_BYTES = 1e6 / 8.0

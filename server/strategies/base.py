@@ -18,8 +18,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from flt.models.schema import Field
-from flt.models.wire import Message
+from flt.common.schema import Field
+from flt.common.wire import Message
 from flt.server.checkpoint import restore_vars
 from flt.server.exchange import Exchange, Work
 

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from sklearn.cluster import AgglomerativeClustering
 
-from flt.models.schema import validate
+from flt.common.schema import validate
 from flt.server.fcr_report import agreement
 from flt.server.strategies.base import Result, Strategy, Task, stack, weighted_average
 from flt.server.strategies.params import CFL as CFL_PARAMS

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flt.models.schema import validate
+from flt.common.schema import validate
 from flt.server.fcr_report import agreement
 from flt.server.strategies.base import Result, Strategy, Task, cluster_average, one_hot, stack, weighted_average
 from flt.server.strategies.params import FEDSEM

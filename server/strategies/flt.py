@@ -43,10 +43,10 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
+from flt.common.errors import DeviceError
+from flt.common.wire import Message
 from flt.models.autoencoder import export_encoder_onnx
 from flt.models.flat import flatten
-from flt.models.wire import Message
-from flt.scenarios.errors import DeviceError
 from flt.server import encoder as enc
 from flt.server import fcr, placement
 from flt.server.exchange import Exchange

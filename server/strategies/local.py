@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flt.models.schema import validate
+from flt.common.schema import validate
 from flt.server.strategies.base import Result, Strategy, Task
 
 

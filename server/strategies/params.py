@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from flt.models.schema import Field, section
+from flt.common.schema import Field, section
 
 # -- FCR's relatedness pipelines (server/fcr.py runs them) ------------------------------
 SPACES = ("embedding", "umap")

@@ -26,7 +26,7 @@ from dataclasses import replace
 import numpy as np
 from sklearn.decomposition import PCA
 
-from flt.models.schema import validate
+from flt.common.schema import validate
 from flt.server import fcr
 from flt.server.strategies.flt import FLT
 from flt.server.strategies.params import PCA_KM_HC

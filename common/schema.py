@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from flt.scenarios.errors import FltError, short
+from flt.common.errors import FltError, short
 
 REQUIRED = object()
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
-from flt.scenarios.errors import FltError
+from flt.common.errors import FltError
 
 SERVER = "server"  # DIR/server.key, DIR/server.key_secret
 ENV_SECRET = "FLT_DEVICE_SECRET_KEY"  # z85 secret key of a local device (CURVE)

@@ -23,7 +23,7 @@ from typing import TypeGuard
 
 import numpy as np
 
-from flt.scenarios.errors import short as _short
+from flt.common.errors import short as _short
 
 VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
