@@ -45,7 +45,7 @@ sys.path.insert(0, str(HERE))
 
 from machine import machine_info  # noqa: E402
 
-from flt.emulator.population import rounds_to_recover  # noqa: E402
+from flt.reports.summary import rounds_to_recover  # noqa: E402
 
 METHODS = ("flt", "ifca", "fedsem", "fedavg")
 CLIENTS, CLUSTERS = 60, 5

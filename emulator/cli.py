@@ -145,7 +145,7 @@ def _keys(args) -> None:
 def _report(args) -> None:
     from pathlib import Path
 
-    from flt.emulator.html_report import build
+    from flt.reports.html import build
 
     dirs = [Path(d) for d in args.run_dirs]
     out = Path(args.out) if args.out else dirs[0] / "report" if len(dirs) == 1 else Path("report")
@@ -157,7 +157,8 @@ def _suite(args) -> int:
     """`flt suite`: the exit code of the first scenario that failed, 130 on Ctrl-C."""
     from pathlib import Path
 
-    from flt.emulator import report, suite
+    from flt.emulator import suite
+    from flt.reports import summary as report
 
     report.COMMAND = args.argv
     codes: list[int] = []
@@ -192,9 +193,9 @@ def _validate(args) -> None:
 
 
 def _run(args) -> int:
-    from flt.emulator import report
     from flt.emulator.run import run_scenario
-    from flt.server.progress import Display
+    from flt.reports import summary as report
+    from flt.reports.terminal import Display
 
     report.COMMAND = args.argv
     terminal = Display().install()  # bars for rounds and pretraining on a terminal
@@ -226,7 +227,7 @@ def _resume(args) -> None:
     from flt.common.schema import ConfigError
     from flt.emulator import config
     from flt.emulator.run import run_scenario
-    from flt.server.progress import active
+    from flt.reports.terminal import active
 
     run_dir = Path(args.resume)
     if args.scenario or args.set or args.out:

@@ -237,42 +237,6 @@ def assign_profiles(spec: dict | None, n_clients: int, seed: int) -> Profiles | 
     return base.take(np.arange(n_clients) % len(base))
 
 
-def rounds_to_recover(
-    history: list[dict], event_round: int, until: int | None = None, tolerance: float = 1.0, key: str = "acc_mean"
-) -> dict:
-    """Accuracy just before an event, its lowest point after (before the next event at
-    `until`), and how many rounds until it is back within `tolerance` points of where it
-    was. `key` "acc_incumbents" compares like with like after an arrival: the clients
-    that were there before (the newcomers' own accuracy is reported apart)."""
-    evals = [r for r in history if "acc_mean" in r]
-    level_of = lambda r: r.get(key, r["acc_mean"])  # noqa: E731 (before any newcomer: everyone)
-    before = [level_of(r) for r in evals if r["round"] < event_round]
-    after = [r for r in evals if event_round <= r["round"] < (until or float("inf"))]
-    if not before or not after:
-        return {}
-    level = before[-1]
-    low = min(after, key=level_of)
-    # never out of the band: recovered at once (not at the round of its lowest wobble)
-    first = after[0] if level_of(low) >= level - tolerance else low
-    back = next((r for r in after if r["round"] >= first["round"] and level_of(r) >= level - tolerance), None)
-    b0 = sum(sum(v.values()) for v in evals[len(before) - 1]["bytes"].values())
-    out = {
-        "round": event_round,
-        "measured_on": "incumbents" if key == "acc_incumbents" else "all clients",
-        "before": level,
-        "lowest": level_of(low),
-        "lowest_round": low["round"],
-        "rounds_to_recover": None if back is None else back["round"] - event_round,
-        "bytes_to_recover": None if back is None else sum(sum(v.values()) for v in back["bytes"].values()) - b0,
-        "emulated_s_to_recover": None
-        if back is None or "emulated_s" not in back
-        else back["emulated_s"] - evals[len(before) - 1].get("emulated_s", 0.0),
-    }
-    if "acc_newcomers" in after[-1]:
-        out["newcomers_accuracy"] = after[-1]["acc_newcomers"]
-    return out
-
-
 def schedule_from(cfg: dict, truth: np.ndarray, num_classes: int | None = None) -> Schedule:
     """Newcomers: the clients of a planted cluster (or listed ids) withheld until a round.
     Drift `move`: each listed client swaps its data with a client of the target cluster (a

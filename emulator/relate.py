@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from flt.common.schema import ConfigError
-from flt.emulator import processes, report
+from flt.emulator import processes
 from flt.emulator.run import (
     aggregation_device,
     assign_clients,
@@ -31,12 +31,13 @@ from flt.emulator.run import (
     make_run_dir,
     record_shift,
 )
+from flt.reports import summary as report
+from flt.reports.artifacts import write_artifacts
+from flt.reports.figures import scatter
 from flt.server import fcr
 from flt.server.auth import gate_for
 from flt.server.encoder import image_source
-from flt.server.fcr_report import scatter
 from flt.server.federation import Federation
-from flt.server.reporter import write_artifacts
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context
 from flt.server.strategies.flt import FLT

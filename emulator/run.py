@@ -19,11 +19,12 @@ import torch
 
 from flt.common.errors import DeviceError, short
 from flt.common.wire import Message, encode, frame_bytes
-from flt.emulator import processes, report
+from flt.emulator import processes
 from flt.emulator.config import dump, load_encoder_sources
 from flt.emulator.population import Population, assign_profiles, schedule_from
 from flt.models.flat import flatten
 from flt.models.nets import build_model
+from flt.reports import summary as report
 from flt.scenarios import partition as part
 from flt.scenarios import shift
 from flt.scenarios.datasets import Dataset, load_shared

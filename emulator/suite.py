@@ -19,8 +19,9 @@ import yaml
 
 from flt.common.errors import FltError
 from flt.common.schema import ConfigError
-from flt.emulator import config, report
-from flt.server.progress import Display, duration
+from flt.emulator import config
+from flt.reports import summary as report
+from flt.reports.terminal import Display, duration
 
 RUN_FILES = ("config.yaml", "partition.npz", "public_indices.npy")  # what a resume needs
 

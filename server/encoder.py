@@ -21,8 +21,8 @@ import torch
 from flt.common.files import cache_dir
 from flt.common.schema import ConfigError
 from flt.models.autoencoder import ConvAE
+from flt.reports.terminal import active, step
 from flt.scenarios.datasets import load_dataset
-from flt.server.progress import active, step
 
 
 def image_source(data: dict, public_idx: np.ndarray | None) -> Callable[[dict], np.ndarray]:

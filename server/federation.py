@@ -32,12 +32,13 @@ import numpy as np
 import torch
 
 from flt.common.wire import Message
+from flt.reports.artifacts import write_artifacts
+from flt.reports.summary import split_timing
+from flt.reports.terminal import step
 from flt.server import checkpoint
 from flt.server.checkpoint import restore_vars
 from flt.server.exchange import Exchange, ExchangeClock, Work
-from flt.server.progress import step
 from flt.server.replies import MAX_CLASSES, Check, ShardSizes, centroids_check, metrics_check, state_check, update_check
-from flt.server.reporter import write_artifacts
 from flt.server.strategies.base import Result, Strategy, Task
 from flt.server.transport import Ledger, Transport
 
@@ -273,37 +274,6 @@ class Federation:
                 )
         finally:
             t.ledger = billed
-
-
-# Keys whose values depend on the machine, not on the scenario: wall-clock seconds (any
-# key ending in "seconds", e.g. FLT's encoder_seconds) and the encoder cache (its path,
-# whether it hit). They move to a record's `timing` object. Emulated time ends in "_s".
-WALL_CLOCK_KEYS = frozenset({"train_s", "eval_s", "wall_s", "setup_s", "s_per_round", "eval_s_per_round"})
-WALL_CLOCK_SUFFIXES = ("seconds", "cached", "cache")
-
-
-def is_wall_clock(key) -> bool:
-    return isinstance(key, str) and (key in WALL_CLOCK_KEYS or key.endswith(WALL_CLOCK_SUFFIXES))
-
-
-def split_timing(obj):
-    """(obj without wall-clock keys at any depth, those values in the same nesting or
-    None). Lists keep their positions: events[i]'s seconds are timing['events'][i]."""
-    if isinstance(obj, dict):
-        clean, timing = {}, {}
-        for k, v in obj.items():
-            if is_wall_clock(k):
-                timing[k] = v
-                continue
-            clean[k], sub = split_timing(v)
-            if sub:
-                timing[k] = sub
-        return clean, timing or None
-    if isinstance(obj, list):
-        parts = [split_timing(v) for v in obj]
-        timing = [t or {} for _, t in parts]
-        return [c for c, _ in parts], timing if any(timing) else None
-    return obj, None
 
 
 def accuracy_stats(metrics: dict[int, dict], newcomers=()) -> dict:

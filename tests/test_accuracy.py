@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from flt.emulator.population import rounds_to_recover
+from flt.reports.summary import rounds_to_recover
 from flt.server.federation import accuracy_stats
 
 

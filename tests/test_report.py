@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from flt.common.schema import ConfigError
-from flt.emulator import html_report
-from flt.emulator.report import table
+from flt.reports import html as html_report
+from flt.reports.summary import table
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

@@ -20,9 +20,10 @@ from flt_command import flt as flt_cli  # tests/ is on sys.path under pytest
 from flt.emulator.clock import EmulatedClock
 from flt.emulator.config import parse_methods
 from flt.emulator.population import Population, Schedule
+from flt.reports.summary import split_timing
 from flt.server import checkpoint
 from flt.server.checkpoint import CheckpointError
-from flt.server.federation import CheckpointPacer, split_timing
+from flt.server.federation import CheckpointPacer
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context
 from flt.server.transport import Ledger

@@ -15,8 +15,8 @@ from flt_command import flt  # tests/ is on sys.path under pytest
 from flt.common.schema import ConfigError
 from flt.emulator import config, suite
 from flt.models.autoencoder import ConvAE
+from flt.reports.terminal import Display, step
 from flt.server.encoder import pretrain
-from flt.server.progress import Display, step
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = """name: {name}

@@ -6,7 +6,7 @@ system. Each round the server asks it what the selected clients should receive
 client is evaluated with (`eval_models`). One-off work before round 1 (FLT's FCR, IFCA's
 warm-up) goes in `setup`, which may call what `FederationView` names and nothing else.
 What it found that is worth a file (FCR's adjacency, its plots) it `emit`s as an
-`Artifact`; the server's reporter (server/reporter.py) writes it.
+`Artifact`; the server's reporter (reports/artifacts.py) writes it.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from typing import Protocol
 
 import numpy as np
 import torch
+from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
 
 from flt.common.schema import Field
 from flt.common.wire import Message
+from flt.reports.artifacts import Artifact
 from flt.server.checkpoint import restore_vars
 from flt.server.exchange import Exchange, Work
 
@@ -64,17 +66,6 @@ class Context:
     # uint8 [N, C, H, W] images no client trains on, for an encoder spec ({dataset, root}):
     # the held-out public slice or another dataset (server/encoder.py: image_source)
     public_images: Callable[[dict], np.ndarray] = _no_public_images
-
-
-@dataclass
-class Artifact:
-    """Something a strategy found that is worth a file: `arrays` go to NAME.npz in the
-    method's folder, and `plot` names the figures the reporter draws from them ("fcr":
-    adjacency, dendrogram and centroid scatter, server/fcr_report.py)."""
-
-    name: str
-    arrays: dict[str, np.ndarray]
-    plot: str | None = None
 
 
 class FederationView(Protocol):
@@ -235,3 +226,14 @@ def stack(results: dict[int, Result], clients) -> tuple[torch.Tensor, torch.Tens
     models = torch.stack(rows)
     n = torch.tensor([float(results[c].n) for c in clients], device=models.device)
     return models, n
+
+
+def agreement(found: np.ndarray, truth: np.ndarray) -> dict:
+    """ARI and NMI of found clusters against the truth (clients with truth -1 excluded)."""
+    known = truth >= 0
+    if known.sum() < 2:
+        return {}
+    return {
+        "ari": float(adjusted_rand_score(truth[known], found[known])),
+        "nmi": float(normalized_mutual_info_score(truth[known], found[known])),
+    }

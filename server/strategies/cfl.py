@@ -46,8 +46,7 @@ import torch
 from sklearn.cluster import AgglomerativeClustering
 
 from flt.common.schema import validate
-from flt.server.fcr_report import agreement
-from flt.server.strategies.base import Result, Strategy, Task, stack, weighted_average
+from flt.server.strategies.base import Result, Strategy, Task, agreement, stack, weighted_average
 from flt.server.strategies.params import CFL as CFL_PARAMS
 
 

@@ -33,8 +33,16 @@ import numpy as np
 import torch
 
 from flt.common.schema import validate
-from flt.server.fcr_report import agreement
-from flt.server.strategies.base import Result, Strategy, Task, cluster_average, one_hot, stack, weighted_average
+from flt.server.strategies.base import (
+    Result,
+    Strategy,
+    Task,
+    agreement,
+    cluster_average,
+    one_hot,
+    stack,
+    weighted_average,
+)
 from flt.server.strategies.params import FEDSEM
 
 

@@ -50,13 +50,13 @@ from flt.models.flat import flatten
 from flt.server import encoder as enc
 from flt.server import fcr, placement
 from flt.server.exchange import Exchange
-from flt.server.fcr_report import agreement
 from flt.server.strategies.base import (
     Artifact,
     FederationView,
     Result,
     Strategy,
     Task,
+    agreement,
     cluster_average,
     one_hot,
     stack,

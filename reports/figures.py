@@ -6,18 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
-
-
-def agreement(found: np.ndarray, truth: np.ndarray) -> dict:
-    """ARI and NMI of found clusters against the truth (clients with truth -1 excluded)."""
-    known = truth >= 0
-    if known.sum() < 2:
-        return {}
-    return {
-        "ari": float(adjusted_rand_score(truth[known], found[known])),
-        "nmi": float(normalized_mutual_info_score(truth[known], found[known])),
-    }
 
 
 def plot_fcr(

@@ -10,10 +10,6 @@ from pathlib import Path
 
 import numpy as np
 
-from flt.emulator.population import rounds_to_recover
-from flt.server.federation import split_timing
-from flt.server.transport import Transport
-
 COMMAND: list[str] | None = None  # the flt command's arguments, set by the command line
 
 
@@ -22,9 +18,7 @@ def command_line() -> str:
     return shlex.join(["flt", *COMMAND] if COMMAND is not None else sys.argv)
 
 
-def method_summary(
-    spec: dict, history: list[dict], strategy, transport: Transport, model_bytes: int, cfg: dict
-) -> dict:
+def method_summary(spec: dict, history: list[dict], strategy, transport, model_bytes: int, cfg: dict) -> dict:
     evals = [r for r in history if "acc_mean" in r]
     last = evals[-1] if evals else {}
     best = max(evals, key=lambda r: r["acc_mean"]) if evals else {}
@@ -261,3 +255,70 @@ def plot_shift_examples(path: Path, rows: list[tuple[str, np.ndarray, np.ndarray
             draw.text((left + c * cell_w, y0), f"label {int(y[c])}", fill="black")
     sheet.save(path)
     return path
+
+
+# Keys whose values depend on the machine, not on the scenario: wall-clock seconds (any
+# key ending in "seconds", e.g. FLT's encoder_seconds) and the encoder cache (its path,
+# whether it hit). They move to a record's `timing` object. Emulated time ends in "_s".
+WALL_CLOCK_KEYS = frozenset({"train_s", "eval_s", "wall_s", "setup_s", "s_per_round", "eval_s_per_round"})
+WALL_CLOCK_SUFFIXES = ("seconds", "cached", "cache")
+
+
+def is_wall_clock(key) -> bool:
+    return isinstance(key, str) and (key in WALL_CLOCK_KEYS or key.endswith(WALL_CLOCK_SUFFIXES))
+
+
+def split_timing(obj):
+    """(obj without wall-clock keys at any depth, those values in the same nesting or
+    None). Lists keep their positions: events[i]'s seconds are timing['events'][i]."""
+    if isinstance(obj, dict):
+        clean, timing = {}, {}
+        for k, v in obj.items():
+            if is_wall_clock(k):
+                timing[k] = v
+                continue
+            clean[k], sub = split_timing(v)
+            if sub:
+                timing[k] = sub
+        return clean, timing or None
+    if isinstance(obj, list):
+        parts = [split_timing(v) for v in obj]
+        timing = [t or {} for _, t in parts]
+        return [c for c, _ in parts], timing if any(timing) else None
+    return obj, None
+
+
+def rounds_to_recover(
+    history: list[dict], event_round: int, until: int | None = None, tolerance: float = 1.0, key: str = "acc_mean"
+) -> dict:
+    """Accuracy just before an event, its lowest point after (before the next event at
+    `until`), and how many rounds until it is back within `tolerance` points of where it
+    was. `key` "acc_incumbents" compares like with like after an arrival: the clients
+    that were there before (the newcomers' own accuracy is reported apart)."""
+    evals = [r for r in history if "acc_mean" in r]
+    level_of = lambda r: r.get(key, r["acc_mean"])  # noqa: E731 (before any newcomer: everyone)
+    before = [level_of(r) for r in evals if r["round"] < event_round]
+    after = [r for r in evals if event_round <= r["round"] < (until or float("inf"))]
+    if not before or not after:
+        return {}
+    level = before[-1]
+    low = min(after, key=level_of)
+    # never out of the band: recovered at once (not at the round of its lowest wobble)
+    first = after[0] if level_of(low) >= level - tolerance else low
+    back = next((r for r in after if r["round"] >= first["round"] and level_of(r) >= level - tolerance), None)
+    b0 = sum(sum(v.values()) for v in evals[len(before) - 1]["bytes"].values())
+    out = {
+        "round": event_round,
+        "measured_on": "incumbents" if key == "acc_incumbents" else "all clients",
+        "before": level,
+        "lowest": level_of(low),
+        "lowest_round": low["round"],
+        "rounds_to_recover": None if back is None else back["round"] - event_round,
+        "bytes_to_recover": None if back is None else sum(sum(v.values()) for v in back["bytes"].values()) - b0,
+        "emulated_s_to_recover": None
+        if back is None or "emulated_s" not in back
+        else back["emulated_s"] - evals[len(before) - 1].get("emulated_s", 0.0),
+    }
+    if "acc_newcomers" in after[-1]:
+        out["newcomers_accuracy"] = after[-1]["acc_newcomers"]
+    return out

@@ -3,13 +3,24 @@ method's folder, so that strategies stay pure server logic and never touch the d
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from sklearn.decomposition import PCA
 
-from flt.server.fcr_report import plot_fcr, plot_timeline
-from flt.server.strategies.base import Artifact
+from flt.reports.figures import plot_fcr, plot_timeline
+
+
+@dataclass
+class Artifact:
+    """Something a strategy found that is worth a file: `arrays` go to NAME.npz in the
+    method's folder, and `plot` names the figures the reporter draws from them ("fcr":
+    adjacency, dendrogram and centroid scatter, reports/figures.py)."""
+
+    name: str
+    arrays: dict[str, np.ndarray]
+    plot: str | None = None
 
 
 def write_artifacts(out_dir: Path, artifacts: list[Artifact]) -> list[Path]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from flt.common.schema import ConfigError
-from flt.emulator import report
+from flt.reports import summary as report
 
 # the rest is in summary.json
 EVENT_DETAIL = ("exchange", "cause", "placement", "to_cluster", "clusters", "ari", "nmi", "fcr_bytes", "duration_s")
