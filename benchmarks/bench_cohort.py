@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from machine import machine_info  # noqa: E402
 
-from flt.devices.device import client_generator  # noqa: E402
+from flt.devices.seeds import client_generator  # noqa: E402
 from flt.devices.trainer import CohortTrainer, TrainConfig  # noqa: E402
 from flt.models.flat import flatten, param_spec  # noqa: E402
 from flt.models.nets import build_model  # noqa: E402

@@ -350,17 +350,6 @@ def accelerator(choice: str, name: str) -> torch.device:
     return torch.device("cuda")
 
 
-def client_generator(seed: int, client: int) -> torch.Generator:
-    """The client's own stream for one task, from (the server's per-round seed, client):
-    its result does not depend on which device or cohort it shares."""
-    return torch.Generator().manual_seed(client_seed(seed, client))
-
-
-def client_seed(seed: int, client: int) -> int:
-    """A 32-bit seed mixed from (seed, client) (sklearn's k-means takes 32 bits)."""
-    return int(np.random.SeedSequence([int(seed), int(client)]).generate_state(1)[0])
-
-
 def _split(t: dict, name: str) -> list[np.ndarray]:
     return np.split(t[f"{name}_idx"], t[f"{name}_offsets"][1:-1])
 

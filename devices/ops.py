@@ -25,6 +25,7 @@ import torch
 
 from flt.common.wire import Message
 from flt.devices import embedding
+from flt.devices.seeds import client_generator, client_seed
 from flt.devices.trainer import CohortTrainer, TrainConfig
 
 if TYPE_CHECKING:
@@ -88,8 +89,6 @@ def trainer(device: Device) -> CohortTrainer:
 
 
 def generators(batch: list[Message]) -> list[torch.Generator]:
-    from flt.devices.device import client_generator  # device.py imports this module
-
     return [client_generator(m.meta.get("seed", 0), m.client) for m in batch]
 
 
@@ -228,8 +227,6 @@ def embed(device: Device, batch: list[Message]) -> list[Message]:
     """FCR: embed the client's data with the encoder sent (ONNX, a PCA basis, or an
     autoencoder to fine-tune first), then send k seeded k-means centroids (or, with
     k = "labels", one mean per class it holds, its class in a last column)."""
-    from flt.devices.device import client_seed
-
     meta, t = batch[0].meta, batch[0].tensors
     xs = [device.shards[m.client].x for m in batch]
     if meta["format"] != "autoencoder":  # onnxruntime and numpy read host memory

@@ -178,12 +178,3 @@ class DeviceFleet:
 
     def exit_codes(self) -> dict[str, int | None]:
         return {**self.retired, **{n: p.poll() for n, p in self.procs.items()}}
-
-
-def make_fleet(devices: dict, endpoint: str, log_dir: Path, enroll: Callable[[str], dict[str, str]]) -> DeviceFleet:
-    """The launcher the scenario's `devices.launcher` names: processes here, or Ray actors."""
-    if devices["launcher"] == "ray":
-        from flt.emulator.ray_launcher import RayFleet
-
-        return RayFleet(endpoint, log_dir, devices["threads"], devices["crash"], enroll, address=devices["ray_address"])
-    return DeviceFleet(endpoint, log_dir, devices["threads"], devices["crash"], enroll=enroll, start=devices["start"])

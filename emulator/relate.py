@@ -32,8 +32,8 @@ from flt.emulator.run import (
     record_shift,
 )
 from flt.reports import summary as report
-from flt.reports.artifacts import write_artifacts
 from flt.reports.figures import scatter
+from flt.reports.writer import write_artifacts
 from flt.server import fcr
 from flt.server.auth import gate_for
 from flt.server.encoder import image_source

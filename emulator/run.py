@@ -21,6 +21,7 @@ from flt.common.errors import DeviceError, short
 from flt.common.wire import Message, encode, frame_bytes
 from flt.emulator import processes
 from flt.emulator.config import dump, load_encoder_sources
+from flt.emulator.fleet import make_fleet
 from flt.emulator.population import Population, assign_profiles, schedule_from
 from flt.models.flat import flatten
 from flt.models.nets import build_model
@@ -379,7 +380,7 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print, resume: bool
         gate_for(d["bind"], d["security"], d["keys"], d["external"]),
         max_inbound=init.numel() * init.element_size(),
     )  # devices upload one model at most
-    fleet = processes.make_fleet(d, transport.endpoint, run_dir / "logs", enroll=transport.gate.enroll)
+    fleet = make_fleet(d, transport.endpoint, run_dir / "logs", enroll=transport.gate.enroll)
     transport.alive = fleet.alive
     summary = (
         report.finished_methods(run_dir, cfg)

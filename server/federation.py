@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 from flt.common.wire import Message
-from flt.reports.artifacts import write_artifacts
 from flt.reports.summary import split_timing
 from flt.reports.terminal import step
+from flt.reports.writer import write_artifacts
 from flt.server import checkpoint
 from flt.server.checkpoint import restore_vars
 from flt.server.exchange import Exchange, ExchangeClock, Work

@@ -7,7 +7,8 @@ import pytest
 import torch
 from test_end_to_end import QUICKSTART, flt  # tests/ is on sys.path under pytest
 
-from flt.devices.device import accelerator, client_generator
+from flt.devices.device import accelerator
+from flt.devices.seeds import client_generator
 from flt.devices.trainer import CohortTrainer, TrainConfig, use_vmap
 from flt.models.flat import flatten, param_spec
 from flt.models.nets import build_model
@@ -23,6 +24,7 @@ def test_auto_takes_the_cpu_on_a_host_without_a_gpu(monkeypatch):
         accelerator("cuda", "dev-0")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: cuda is valid here")
 def test_asking_for_cuda_without_a_gpu_fails_naming_the_device(tmp_path):
     res = flt(
@@ -76,6 +78,7 @@ def test_a_gpu_cohort_trains_as_the_cpu_does(cfg):
     assert torch.allclose(results["cpu"][1], results["cuda"][1], atol=1e-4)
 
 
+@pytest.mark.slow
 @cuda
 def test_a_run_on_the_gpu_learns_and_says_where_it_trained(tmp_path):
     # compare keeps the scenario's own FLT entry (its longer encoder pretraining)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from flt_command import QUICKSTART, flt  # tests/ is on sys.path under pytest
 
-from flt.devices.device import client_generator
+from flt.devices.seeds import client_generator
 from flt.devices.trainer import CohortTrainer, TrainConfig
 from flt.emulator import config
 from flt.emulator.population import Population

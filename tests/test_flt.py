@@ -12,7 +12,7 @@ from scipy.spatial.distance import cdist
 
 from flt.common.wire import Message
 from flt.emulator.config import parse_methods
-from flt.reports.artifacts import write_artifacts
+from flt.reports.writer import write_artifacts
 from flt.server import fcr
 from flt.server.exchange import Exchange
 from flt.server.strategies.base import Context, Result, weighted_average
@@ -35,6 +35,7 @@ def quickstart_run(tmp_path_factory):
     return out, json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.slow
 def test_fcr_recovers_the_planted_clusters_on_digits(quickstart_run):
     _, s = quickstart_run
     f = s["methods"]["flt"]["fcr"]
@@ -44,6 +45,7 @@ def test_fcr_recovers_the_planted_clusters_on_digits(quickstart_run):
     assert f["cluster_sizes"] == [4, 4, 4, 4, 4]
 
 
+@pytest.mark.slow
 def test_flt_beats_fedavg_on_clustered_clients(quickstart_run):
     _, s = quickstart_run
     m = s["methods"]
@@ -54,6 +56,7 @@ def test_flt_beats_fedavg_on_clustered_clients(quickstart_run):
     )
 
 
+@pytest.mark.slow
 def test_flt_run_folder_holds_fcr_figures_and_arrays(quickstart_run):
     out, _ = quickstart_run
     for name in ("adjacency.png", "dendrogram.png", "centroids.png", "fcr.npz", "metrics.jsonl"):
@@ -65,6 +68,7 @@ def test_flt_run_folder_holds_fcr_figures_and_arrays(quickstart_run):
         np.testing.assert_allclose(z["adjacency"], z["adjacency"].T)
 
 
+@pytest.mark.slow
 def test_onnx_encoder_bytes_are_counted_once_per_client(quickstart_run):
     _, s = quickstart_run
     m = s["methods"]["flt"]
@@ -270,6 +274,7 @@ def test_a_periodic_re_run_re_embeds_everyone_even_when_flags_fire(tmp_path):
     assert fed.calls[-1] == (4, list(range(12)))
 
 
+@pytest.mark.slow
 def test_flt_relate_runs_fcr_alone_over_device_processes(tmp_path):
     res = flt("relate", str(QUICKSTART), "--out", str(tmp_path), "--no-umap")
     assert res.returncode == 0, res.stderr + res.stdout
@@ -304,7 +309,7 @@ def test_strategies_never_reach_for_the_transport_or_the_disk():
     import ast
 
     banned_names = {"open", "savez", "savefig", "write_text", "write_bytes", "mkdir", "ledger", "transport"}
-    banned_modules = ("pathlib", "os", "matplotlib", "json", "flt.server.transport", "flt.reports.artifacts")
+    banned_modules = ("pathlib", "os", "matplotlib", "json", "flt.server.transport", "flt.reports.writer")
     for path in sorted((REPO / "server" / "strategies").glob("*.py")):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):

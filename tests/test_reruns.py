@@ -14,7 +14,7 @@ import torch
 from test_resume import results_without_timing  # tests/ is on sys.path under pytest
 
 from flt.devices import trainer as trainer_module
-from flt.devices.device import client_generator
+from flt.devices.seeds import client_generator
 from flt.devices.trainer import CohortTrainer, TrainConfig
 from flt.models.flat import flatten, param_spec
 from flt.models.nets import build_model

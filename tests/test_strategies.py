@@ -8,16 +8,19 @@ import numpy as np
 import pytest
 import torch
 
+from flt.common.schema import ConfigError, validate
 from flt.emulator.population import Population
 from flt.server import fcr
 from flt.server.encoder import image_source
 from flt.server.exchange import Exchange
+from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context, Result
 from flt.server.strategies.cfl import CFL
 from flt.server.strategies.fedprox import FedProx
 from flt.server.strategies.fedsem import FedSEM
 from flt.server.strategies.ifca import IFCA
 from flt.server.strategies.local import Local
+from flt.server.strategies.params import METHODS
 from flt.server.strategies.pca_km_hc import PCAKMHC, gamma_from_quantile, pca_basis
 
 P = 12
@@ -448,3 +451,20 @@ def test_round_loop_and_byte_formula(tmp_path, name):
         assert summary["fcr"]["ari"] == pytest.approx(1.0)
     if name != "fedprox":  # one model cannot serve two opposed targets
         assert history[-1]["acc_mean"] > 60.0, (name, history[-1])
+
+
+# -- construction: every strategy validates its own parameters the same way -------------
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_strategy_fills_defaults_and_names_a_wrong_field(tmp_path, name):
+    cls = STRATEGIES[name]
+    built = cls(make_ctx(tmp_path))  # no parameters: the schema's defaults
+    assert built.params == validate({}, METHODS[name].params)
+    assert cls(make_ctx(tmp_path), **built.params).params == built.params  # validated params validate again
+    with pytest.raises(ConfigError, match=rf"{name}\.no_such_field: unknown field"):
+        cls(make_ctx(tmp_path), no_such_field=1)
+
+
+def test_a_cross_field_rule_holds_in_code_as_in_a_scenario(tmp_path):
+    with pytest.raises(ConfigError, match="flt: linkage 'ward_graph' clusters the thresholded graph"):
+        STRATEGIES["flt"](make_ctx(tmp_path), linkage="ward_graph")
+    assert PCAKMHC(make_ctx(tmp_path), linkage="ward_graph").params["gamma"] is None  # takes a quantile instead

@@ -6,7 +6,7 @@ system. Each round the server asks it what the selected clients should receive
 client is evaluated with (`eval_models`). One-off work before round 1 (FLT's FCR, IFCA's
 warm-up) goes in `setup`, which may call what `FederationView` names and nothing else.
 What it found that is worth a file (FCR's adjacency, its plots) it `emit`s as an
-`Artifact`; the server's reporter (reports/artifacts.py) writes it.
+`Artifact`; the reporting layer (reports/writer.py) writes it.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import numpy as np
 import torch
 from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
 
-from flt.common.schema import Field
+from flt.common.schema import ConfigError, Field, validate
 from flt.common.wire import Message
 from flt.reports.artifacts import Artifact
 from flt.server.checkpoint import restore_vars
 from flt.server.exchange import Exchange, Work
+from flt.server.strategies.params import METHODS
 
 
 @dataclass
@@ -112,9 +113,22 @@ class Strategy:
     DEVICE_OPS: tuple[str, ...] = ("train", "evaluate")
     TRANSIENT = ("ctx", "artifacts")  # given at construction / written out every round
 
-    def __init__(self, ctx: Context, **params):
-        self.ctx, self.params = ctx, params
+    def __init__(self, ctx: Context, **params: object):
+        """`params`: the scenario's entry for this method; validated here against PARAMS
+        (defaults filled, a wrong field named) and `check_params`, so a strategy built in
+        code gets the same answers a scenario file does."""
+        self.ctx = ctx
+        self.params = validate(params, self.PARAMS, self.name)
+        if problem := self.check_params(self.params):
+            raise ConfigError(f"{self.name}: {problem}")
         self.artifacts: list[Artifact] = []
+
+    @classmethod
+    def check_params(cls, params: dict) -> str | None:
+        """Cross-field rules the schema cannot say (the registry's `check`, run by the
+        scenario's validation too); returns the problem, or None."""
+        check = METHODS[cls.name].check if cls.name in METHODS else None
+        return check(params) if check else None
 
     def setup(self, fed: FederationView) -> None:
         """One-off work before the first round."""

@@ -45,7 +45,6 @@ import numpy as np
 import torch
 from sklearn.cluster import AgglomerativeClustering
 
-from flt.common.schema import validate
 from flt.server.strategies.base import Result, Strategy, Task, agreement, stack, weighted_average
 from flt.server.strategies.params import CFL as CFL_PARAMS
 
@@ -70,7 +69,7 @@ class CFL(Strategy):
     PARAMS = CFL_PARAMS  # server/strategies/params.py: every method's parameters, torch-free
 
     def __init__(self, ctx, **params):
-        super().__init__(ctx, **validate(params, self.PARAMS, self.name))
+        super().__init__(ctx, **params)
         p = self.params
         self.eps1, self.eps2 = float(p["eps1"]), float(p["eps2"])
         self.warmup, self.min_size = int(p["warmup_rounds"]), int(p["min_cluster_size"])

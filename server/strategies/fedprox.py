@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from flt.common.schema import validate
 from flt.server.strategies.base import Task
 from flt.server.strategies.fedavg import FedAvg
 from flt.server.strategies.params import FEDPROX
@@ -27,7 +26,7 @@ class FedProx(FedAvg):
     PARAMS = FEDPROX  # server/strategies/params.py: every method's parameters, torch-free
 
     def __init__(self, ctx, **params):
-        super().__init__(ctx, **validate(params, self.PARAMS, self.name))
+        super().__init__(ctx, **params)
         self.mu = float(self.params["mu"])
 
     def train_tasks(self, rnd: int, selected: np.ndarray) -> dict[int, Task]:

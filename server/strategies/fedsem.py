@@ -32,7 +32,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flt.common.schema import validate
 from flt.server.strategies.base import (
     Result,
     Strategy,
@@ -51,7 +50,7 @@ class FedSEM(Strategy):
     PARAMS = FEDSEM  # server/strategies/params.py: every method's parameters, torch-free
 
     def __init__(self, ctx, **params):
-        super().__init__(ctx, **validate(params, self.PARAMS, self.name))
+        super().__init__(ctx, **params)
         self.k = int(self.params["centers"])
         self.every = int(self.params["reassign_every"])
         self.rng = np.random.default_rng(int(ctx.seed))

@@ -37,7 +37,7 @@ class FeSEMSoft(FedSEM):
     PARAMS = FESEM_SOFT  # server/strategies/params.py: every method's parameters, torch-free
 
     def __init__(self, ctx, **params):
-        super().__init__(ctx, **params)  # FedSEM validates against this class's PARAMS
+        super().__init__(ctx, **params)
         self.temperature = float(self.params["temperature"])
         self.confidence: list[float] = []  # per aggregation: mean largest responsibility
 

@@ -63,7 +63,7 @@ from flt.server.strategies.base import (
     weighted_average,
 )
 from flt.server.strategies.params import FLT as FLT_PARAMS
-from flt.server.strategies.params import check_flt, flt_pipeline
+from flt.server.strategies.params import flt_pipeline
 
 
 class FLT(Strategy):
@@ -73,10 +73,6 @@ class FLT(Strategy):
     PARAMS = FLT_PARAMS  # server/strategies/params.py: every method's parameters, torch-free
 
     @classmethod
-    def check_params(cls, params: dict) -> str | None:
-        return check_flt(params)
-
-    @classmethod
     def pipeline(cls, params: dict) -> fcr.Relatedness:
         """The preset with the scenario's overrides applied."""
         return flt_pipeline(params)
@@ -84,11 +80,11 @@ class FLT(Strategy):
     def __init__(self, ctx, **params):
         super().__init__(ctx, **params)
         m = ctx.n_clients
-        self.how = self.pipeline(params)
+        self.how = self.pipeline(self.params)
         self.fcr_reports: list[dict] = []  # the initial FCR, then every re-clustering
         self.labels = np.zeros(m, dtype=np.int64)  # before FCR: everyone in one cluster
         self.graph = np.ones((m, m), dtype=np.float32)
-        case2 = params["aggregation"] == "case2"
+        case2 = self.params["aggregation"] == "case2"
         self.models = self.on(ctx.init.clone())[None].expand(1 if case2 else m, -1).clone()
         self.centroids: dict[int, np.ndarray] = {}
         self.centroid_classes: dict[int, np.ndarray] = {}  # k: labels, the class of each centroid

@@ -39,7 +39,6 @@ import logging
 import numpy as np
 import torch
 
-from flt.common.schema import validate
 from flt.server.strategies.base import (
     Result,
     Strategy,
@@ -61,7 +60,7 @@ class IFCA(Strategy):
     PARAMS = IFCA_PARAMS  # server/strategies/params.py: every method's parameters, torch-free
 
     def __init__(self, ctx, **params):
-        super().__init__(ctx, **validate(params, self.PARAMS, self.name))
+        super().__init__(ctx, **params)
         self.c = int(self.params["clusters"])
         self.warmup = int(self.params["warmup_rounds"])
         self.scale = float(self.params["init_scale"])

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from flt.common.schema import validate
 from flt.server.strategies.base import Result, Strategy, Task
 
 
@@ -26,7 +25,7 @@ class Local(Strategy):
     DEVICE_OPS = ("train_resident", "evaluate")
 
     def __init__(self, ctx, **params):
-        super().__init__(ctx, **validate(params, self.PARAMS, self.name))
+        super().__init__(ctx, **params)
         self.init_host = ctx.init.detach().cpu()[None]  # [1, P], one buffer for every first Task
         self.initialised = np.zeros(ctx.n_clients, dtype=bool)  # the device holds w^0 for m
         self.trained = np.zeros(ctx.n_clients, dtype=np.int64)  # rounds each client trained

@@ -26,7 +26,6 @@ from dataclasses import replace
 import numpy as np
 from sklearn.decomposition import PCA
 
-from flt.common.schema import validate
 from flt.server import fcr
 from flt.server.strategies.flt import FLT
 from flt.server.strategies.params import PCA_KM_HC
@@ -51,7 +50,7 @@ class PCAKMHC(FLT):
     PARAMS = PCA_KM_HC  # server/strategies/params.py: every method's parameters, torch-free
 
     def __init__(self, ctx, **params):
-        super().__init__(ctx, **validate(params, self.PARAMS, self.name))
+        super().__init__(ctx, **params)
         self.gamma_used: float | None = self.params["gamma"]
 
     def encoder_payload(self) -> tuple[dict, dict, dict]:
@@ -69,10 +68,6 @@ class PCAKMHC(FLT):
     def pipeline(cls, params: dict) -> fcr.Relatedness:
         """No UMAP: distances in PCA space; the preset's gamma (in UMAP units) never applies."""
         return replace(super().pipeline({**params, "space": "embedding"}), gamma=params["gamma"])
-
-    @classmethod
-    def check_params(cls, params: dict) -> str | None:
-        return None  # ward_graph without gamma takes the quantile
 
     def threshold(self, points: list[np.ndarray]) -> fcr.Relatedness:
         if self.how.gamma is not None or self.how.linkage != "ward_graph":
