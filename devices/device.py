@@ -311,8 +311,17 @@ class Device:
             self._process(batch)
 
     def _process(self, batch: list[Message]) -> None:
-        """Run the cohort's operation from the registry (devices/ops.py); any failure,
-        an unknown operation included, is an error reply per client, naming the cause."""
+        """Run the cohort's operations from the registry (devices/ops.py), one call per op
+        (a round may ask some clients to train and others to pick a model)."""
+        by_op: dict[str, list[Message]] = {}
+        for msg in batch:
+            by_op.setdefault(ops.op_name(msg), []).append(msg)
+        for part in by_op.values():
+            self._run_op(part)
+
+    def _run_op(self, batch: list[Message]) -> None:
+        """One op over its clients; any failure, an unknown operation included, is an error
+        reply per client, naming the cause."""
         kind = batch[0].kind
         try:
             start = time.monotonic()

@@ -1,16 +1,18 @@
 """Device-side operations: what a device does with one cohort of tasks, by name.
 
-A method's server half (server/strategies/<name>.py) names the operations it needs in
-`DEVICE_OPS`; this module is the device half's registry. An operation is a function
-`(device, batch) -> replies`: `batch` holds one task message per client of this device's
-cohort (same kind, round and batch id), and it returns one reply message per client.
+A method declares the operations its tasks name as `DeviceOp`s in its `DEVICE_OPS`
+(server/ops.py: wire kinds, billing, pricing, reply checks); this module is the device
+half's registry of what each one runs. An operation is a function `(device, batch) ->
+replies`: `batch` holds one task per client of this device's cohort that names the op
+(same round and batch id; a cohort that mixes ops is split by op), and it returns one
+reply message per client.
 
-The built-in operations keep their own message kinds on the wire (train, evaluate,
-encoder, snapshot: their headers are part of every result's byte counts). Any other
-operation travels as the generic kind "task" with its name in meta "op", and answers
-with "result". An operation that is not registered here is looked up as the module
-`devices.methods.<op>`, which registers it when imported, so a method with a new client
-step adds one module there and never touches this file or device.py.
+The built-in operations keep their historical wire kinds (train, evaluate, encoder,
+snapshot: their headers are part of every result's byte counts); any other travels as
+the kind "task" naming it in meta "op", and answers "result". An operation that is not
+registered here is looked up as the module `devices.methods.<op>`, which registers it
+when imported, so a method with a new client step adds one module there and never
+touches this file or device.py. A run checks at start-up that every declared op exists.
 """
 
 from __future__ import annotations

@@ -11,19 +11,13 @@ seconds: what a user runs to see whether their clients are related.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from flt.common.schema import ConfigError
-from flt.emulator import processes
 from flt.emulator.run import (
-    aggregation_device,
-    assign_clients,
-    assign_meta,
     build_partition,
     hold_out_public,
     initial_weights,
@@ -31,13 +25,11 @@ from flt.emulator.run import (
     make_run_dir,
     record_shift,
 )
+from flt.emulator.session import Session, check_device_ops
 from flt.reports import summary as report
 from flt.reports.figures import scatter
 from flt.reports.writer import write_artifacts
 from flt.server import fcr
-from flt.server.auth import gate_for
-from flt.server.encoder import image_source
-from flt.server.federation import Federation
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context
 from flt.server.strategies.flt import FLT
@@ -79,39 +71,21 @@ def relate_scenario(
     record_shift(run_dir, cfg, partition, train)
     init, model_spec = initial_weights(cfg, train)
     m = partition.n_clients
-    n_proc = cfg["devices"]["processes"]
-    n_proc = min(os.cpu_count() or 1 if n_proc is None else n_proc, m)
-    # as in a run: the server's threads would only spin against the device processes'
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) - n_proc * cfg["devices"]["threads"]))
-    d = cfg["devices"]
-    transport = Transport(d["bind"], gate_for(d["bind"], d["security"], d["keys"], external=0))  # local only
-    fleet = processes.DeviceFleet(
-        transport.endpoint, run_dir / "logs", d["threads"], {}, enroll=transport.gate.enroll, start=d["start"]
-    )
-    transport.alive = fleet.alive
+    check_device_ops({**cfg, "methods": [spec]})
+    # the run's own set-up (emulator/session.py), with this machine's devices only
+    session = Session(cfg, run_dir, init, m, external=False, crash=False)
+    transport = session.transport
     tic = time.perf_counter()
     try:
-        fleet.start(n_proc)
-        devices = fleet.wait(transport, cfg["devices"]["start_timeout_s"])
-        meta = assign_meta(cfg, model_spec)
-        assign_clients(transport, partition, devices, meta, cfg["devices"]["start_timeout_s"], np.arange(m))
-        ctx = Context(
-            init=init,
-            n_clients=m,
-            n_train=np.array([len(t) for t in partition.train]),
-            device=aggregation_device(),
-            seed=cfg["seed"],
-            truth=partition.cluster.copy(),
-            train=cfg["train"],
-            public_images=image_source(cfg["data"], public),
-        )
+        devices = session.start(partition, model_spec, np.arange(m), progress)
+        ctx, fed = session.federation(partition, init, public)
         method_dir = run_dir / spec["label"]
-        fed = Federation(transport, cfg["train"], cfg["seed"], cfg["devices"]["round_timeout_s"], ctx.device)
+        strategy = STRATEGIES[spec["name"]](ctx, **spec["params"])
+        assert isinstance(strategy, FLT)  # pick_method() picks FLT or a subclass
+        fed.declare(strategy.name, strategy.DEVICE_OPS)
         fed.present = np.arange(m)
         progress(f"{len(devices)} device processes host {m} clients; relating them with {spec['label']}")
         transport.ledger.reset()
-        strategy = STRATEGIES[spec["name"]](ctx, **spec["params"])
-        assert isinstance(strategy, FLT)  # pick_method() picks FLT or a subclass
         strategy.setup(fed)
         write_artifacts(method_dir, strategy.take_artifacts())
         result = strategy.fcr_reports[0] | {
@@ -121,8 +95,7 @@ def relate_scenario(
             "planted_clusters": int(len(np.unique(partition.cluster[partition.cluster >= 0]))),
         }
     finally:
-        transport.close()
-        fleet.stop()
+        session.close()
     if umap and strategy.how.space == "embedding":  # the pipeline did not need UMAP; draw it anyway
         plot_umap(strategy, ctx, method_dir)
     (run_dir / "relate.json").write_text(json.dumps(result, indent=2, default=report._jsonable))

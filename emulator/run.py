@@ -9,20 +9,17 @@ participation draws, and writes the results as they come: config.yaml, partition
 from __future__ import annotations
 
 import json
-import os
-import time
 from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from flt.common.errors import DeviceError, short
 from flt.common.wire import Message, encode, frame_bytes
 from flt.emulator import processes
 from flt.emulator.config import dump, load_encoder_sources
-from flt.emulator.fleet import make_fleet
 from flt.emulator.population import Population, assign_profiles, schedule_from
+from flt.emulator.session import Session, assign_clients, check_device_ops, data_root
 from flt.models.flat import flatten
 from flt.models.nets import build_model
 from flt.reports import summary as report
@@ -30,12 +27,10 @@ from flt.scenarios import partition as part
 from flt.scenarios import shift
 from flt.scenarios.datasets import Dataset, load_shared
 from flt.server import checkpoint
-from flt.server.auth import gate_for
-from flt.server.encoder import image_source
 from flt.server.federation import CHECKPOINT, Federation, run_method
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context
-from flt.server.transport import DeviceLost, Ledger, Transport
+from flt.server.transport import Ledger, Transport
 
 
 def make_run_dir(cfg: dict, out: str | None) -> Path:
@@ -161,83 +156,6 @@ def initial_weights(cfg: dict, train: Dataset) -> tuple[torch.Tensor, dict]:
     return flatten(build_model(spec["name"], tuple(spec["in_shape"]), spec["num_classes"])), spec
 
 
-def aggregation_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def assign_meta(cfg: dict, model_spec: dict) -> dict:
-    """What every device needs to host its clients: where the data is, the model, where to train."""
-    return {
-        "dataset": {
-            "name": cfg["data"]["dataset"],
-            "root": _abs(cfg["data"]["root"]),
-            "download": cfg["data"]["download"],
-        },
-        "model": model_spec,
-        "accelerator": cfg["devices"]["accelerator"],
-    }
-
-
-def assign_clients(
-    transport: Transport,
-    partition: part.Partition,
-    devices: list[str],
-    meta: dict,
-    timeout_s: float,
-    clients: np.ndarray,
-) -> None:
-    """Give each device a contiguous block of `clients`: their shard indices, never data.
-    A device that cannot take its block (it reports an error, does not answer within the
-    timeout, or says ready for other clients) is lost with its clients, named in the log,
-    and the run goes on without it; with no device left, nobody can train (DeviceError)."""
-    blocks = np.array_split(np.asarray(clients, dtype=np.int64), len(devices))
-    if partition.shift is not None:
-        meta = {**meta, "shift": partition.shift.meta()}
-    expected: dict[str, list[int]] = {}
-    for device, block in zip(devices, blocks, strict=True):
-        tensors = {"clients": block.astype(np.int64)}
-        for name, shards in (("train", partition.train), ("test", partition.test)):
-            chosen = [shards[c] for c in block]
-            tensors[f"{name}_offsets"] = np.cumsum([0] + [len(s) for s in chosen]).astype(np.int64)
-            tensors[f"{name}_idx"] = (np.concatenate(chosen) if chosen else np.zeros(0)).astype(np.int64)
-        if partition.shift is not None:
-            tensors.update(partition.shift.tensors(block))
-        for c in block:
-            transport.client_device[int(c)] = device
-        expected[device] = block.tolist()
-        try:
-            transport.send(device, Message("assign", meta=meta, tensors=tensors))
-        except DeviceLost as exc:
-            transport.lose(device, str(exc))
-    failed = _await_ready(transport, {d: c for d, c in expected.items() if d not in transport.lost_devices}, timeout_s)
-    for device, why in failed.items():
-        transport.lose(device, why)
-    if not transport.active_devices():
-        reasons = "; ".join(f"{d}: {why}" for d, why in sorted(failed.items())[:3])
-        raise DeviceError(f"no device could load its clients ({reasons})")
-
-
-def _await_ready(transport: Transport, expected: dict[str, list[int]], timeout_s: float) -> dict[str, str]:
-    """Wait for each device's `ready` naming exactly its clients; returns why each device
-    that did not send one failed."""
-    failed: dict[str, str] = {}
-    waiting, deadline = set(expected), time.monotonic() + timeout_s
-    while waiting:
-        got = transport.recv(max(0.0, deadline - time.monotonic()))
-        if got is None:
-            failed.update({d: f"did not load its clients within {timeout_s:.0f} s" for d in waiting})
-            break
-        device, msg = got
-        if device not in waiting or msg.kind not in ("ready", "error"):
-            continue
-        if msg.kind == "error":
-            failed[device] = f"could not load its clients: {short(msg.meta.get('reason'), 300)}"
-        elif msg.meta.get("clients") != expected[device]:
-            failed[device] = f"said ready for clients {short(msg.meta.get('clients'), 60)}, not the ones it was given"
-        waiting.discard(device)
-    return failed
-
-
 class Dynamics:
     """The process side of arrivals and drift: newcomer device processes and shard swaps.
     Everything is undone when a method ends, so the next method replays the same story."""
@@ -332,21 +250,12 @@ class Dynamics:
         self.method += 1
 
 
-def wait_external(transport: Transport, local: list[str], n: int, timeout_s: float, progress) -> list[str]:
-    """Devices started by hand (`flt device --connect ...`), possibly on other hosts."""
-    if n == 0:
-        return []
-    progress(f"waiting for {n} external device(s): flt device --connect {transport.endpoint}")
-    transport.wait_devices(len(local) + n, timeout_s)
-    return sorted(d for d in transport.devices if d not in local)  # by name, not arrival
-
-
 def run_scenario(cfg: dict, out: str | None = None, progress=print, resume: bool = False) -> Path:
     """Run `cfg` into a new run folder, or (`resume`) continue the killed run in folder
     `out`: finished methods are kept, the interrupted one continues after its last
     checkpointed round, on the folder's own partition."""
     data = cfg["data"]
-    progress(f"data: {data['dataset']}" + (f" from {_abs(data['root'])}" if data["root"] else ""))
+    progress(f"data: {data['dataset']}" + (f" from {data_root(data['root'])}" if data["root"] else ""))
     train, test = load_data(cfg)
     if resume:
         if out is None:
@@ -361,6 +270,7 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print, resume: bool
     schedule = schedule_from(cfg, partition.cluster, train.num_classes)
     profiles = assign_profiles(cfg["population"]["profiles"], partition.n_clients, cfg["seed"])
     load_encoder_sources(cfg)
+    check_device_ops(cfg)
     if not resume:
         run_dir = make_run_dir(cfg, out)
         partition.save(run_dir / "partition.npz")
@@ -370,57 +280,23 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print, resume: bool
     for note in partition.notes:
         progress(f"partition: {note}")
     init, model_spec = initial_weights(cfg, train)
-    n_proc = cfg["devices"]["processes"]
-    n_proc = min(os.cpu_count() or 1 if n_proc is None else n_proc, partition.n_clients)
-    # the server's own tensor work is light; leave the cores to the device processes
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) - n_proc * cfg["devices"]["threads"]))
-    d = cfg["devices"]
-    transport = Transport(
-        d["bind"],
-        gate_for(d["bind"], d["security"], d["keys"], d["external"]),
-        max_inbound=init.numel() * init.element_size(),
-    )  # devices upload one model at most
-    fleet = make_fleet(d, transport.endpoint, run_dir / "logs", enroll=transport.gate.enroll)
-    transport.alive = fleet.alive
+    session = Session(cfg, run_dir, init, partition.n_clients)
+    transport, fleet = session.transport, session.fleet
     summary = (
         report.finished_methods(run_dir, cfg)
         if resume
         else {"scenario": cfg["name"], "methods": {}, "partition_notes": partition.notes}
     )
     try:
-        fleet.start(n_proc)
-        devices = fleet.wait(transport, cfg["devices"]["start_timeout_s"])
-        devices += wait_external(
-            transport, devices, cfg["devices"]["external"], cfg["devices"]["start_timeout_s"], progress
-        )
-        meta = assign_meta(cfg, model_spec)
         late = np.concatenate(list(schedule.arrivals.values())) if schedule.arrivals else np.zeros(0, np.int64)
         first = np.setdiff1d(np.arange(partition.n_clients), late)
-        assign_clients(transport, partition, devices, meta, cfg["devices"]["start_timeout_s"], first)
+        devices = session.start(partition, model_spec, first, progress)
         progress(
             f"{len(devices)} device processes host {len(first)} clients"
             + (f"; {len(late)} newcomers arrive later" if len(late) else "")
         )
-        ctx = Context(
-            init=init,
-            n_clients=partition.n_clients,
-            n_train=np.array([len(t) for t in partition.train]),
-            device=aggregation_device(),
-            seed=cfg["seed"],
-            truth=partition.cluster.copy(),
-            train=cfg["train"],
-            public_images=image_source(cfg["data"], public),
-        )
-        fed = Federation(
-            transport,
-            cfg["train"],
-            cfg["seed"],
-            cfg["devices"]["round_timeout_s"],
-            ctx.device,
-            shard_sizes=lambda c: (len(partition.train[c]), len(partition.test[c])),
-            model_size=init.numel(),
-        )
-        dynamics = Dynamics(transport, fleet, partition, meta, ctx, cfg, progress)
+        ctx, fed = session.federation(partition, init, public)
+        dynamics = Dynamics(transport, fleet, partition, session.meta, ctx, cfg, progress)
         for i, spec in enumerate(cfg["methods"]):
             if spec["label"] in summary["methods"]:
                 progress(f"== {spec['label']} == finished before the interruption: kept")
@@ -438,8 +314,7 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print, resume: bool
         report.plot_convergence(run_dir, summary)
         progress(report.table(summary))
     finally:
-        transport.close()
-        fleet.stop()
+        session.close()
         # what differs from one execution to the next, apart from the results
         summary["timing"] = {"run_dir": str(run_dir), "device_exit_codes": fleet.exit_codes()}
         summary["rejected"] = transport.rejections.summary()  # the whole run's, start-up included
@@ -507,7 +382,3 @@ def run_one(
         on_round=record,
         resume=resume,
     )
-
-
-def _abs(root: str | None) -> str | None:
-    return str(Path(root).expanduser().resolve()) if root else None

@@ -8,7 +8,7 @@ them without importing the round loop.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 import numpy as np
@@ -34,6 +34,23 @@ class ExchangeClock(Protocol):
         forward_samples: np.ndarray,
         trained_samples: np.ndarray,
     ) -> tuple[np.ndarray, dict]: ...
+
+
+@dataclass
+class Call:
+    """What one client's device is asked to run: tensors down and settings (a device op's
+    task, server/ops.py builds the message)."""
+
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class Reply:
+    """What one client's device answered, checked by its op's check before a strategy sees it."""
+
+    tensors: dict[str, np.ndarray]
+    meta: dict
 
 
 @dataclass

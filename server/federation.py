@@ -37,8 +37,9 @@ from flt.reports.terminal import step
 from flt.reports.writer import write_artifacts
 from flt.server import checkpoint
 from flt.server.checkpoint import restore_vars
-from flt.server.exchange import Exchange, ExchangeClock, Work
-from flt.server.replies import MAX_CLASSES, Check, ShardSizes, centroids_check, metrics_check, state_check, update_check
+from flt.server.exchange import Call, Exchange, ExchangeClock, Reply
+from flt.server.ops import EMBED, EVALUATE, SNAPSHOT, DeviceOp
+from flt.server.replies import ShardSizes, state_check
 from flt.server.strategies.base import Result, Strategy, Task
 from flt.server.transport import Ledger, Transport
 
@@ -64,36 +65,74 @@ class Federation:
         self.present = np.zeros(0, dtype=np.int64)  # clients in the population now
         self.clock: ExchangeClock | None = None  # the running method's population
         self.events: list[dict] = []  # one-off exchanges' reports, for the next record
+        self.ops: dict[str, DeviceOp] = {}  # the running method's declared device ops (empty: any)
 
     def _seed(self, rnd: int, salt: int = 0) -> int:
         return (self.seed * 7919 + rnd * 104_729 + salt) % (2**31)
 
-    def exchange(
+    def declare(self, method: str, ops: tuple[DeviceOp, ...]) -> None:
+        """The running method and the device ops it declared (its DEVICE_OPS): `run`
+        refuses any other, naming the method and the op."""
+        self.method, self.ops = method, {op.name: op for op in ops}
+
+    def run(
+        self,
+        op: DeviceOp,
+        rnd: int,
+        calls: dict[int, Call],
+        purpose: str | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> Exchange[Reply]:
+        """Run one device op for these clients (a method's own, e.g. FLT's `choose`),
+        reported as an event named `purpose` (the op's name by default)."""
+        msgs = {c: op.message(rnd, c, call.tensors, call.meta) for c, call in calls.items()}
+        ex = self._exchange(purpose or op.name, rnd, msgs, [op], timeout_s=timeout_s)
+        return ex.decoded(lambda m: Reply(m.tensors, m.meta))
+
+    def _exchange(
         self,
         kind: str,
         rnd: int,
         msgs: dict[int, Message],
-        reply: str,
+        ops: list[DeviceOp],
         *,
-        check: Check | None = None,
         timeout_s: float | None = None,
-        work: Work | None = None,
         clocked: bool = True,
         event: bool = True,
     ) -> Exchange[Message]:
-        """The one path of every exchange: send `msgs`, gather the `reply` messages, price
-        what each answering client did (its payload down and up, and `work`) on the
-        emulated clock, and report the bytes by kind that crossed the socket meanwhile.
-        `event` queues the report for the round's record; `clocked` False is for the
-        emulator's own measurements (evaluation), which are no part of the method."""
+        """The one path of every exchange: send `msgs` (each the task of one of `ops`),
+        gather each client's reply, check it (the op's check), price what each answering
+        client did (its payload down and up, and the op's `work`) on the emulated clock,
+        and report the bytes by kind that crossed the socket meanwhile. `event` queues
+        the report for the round's record; `clocked` False is for the emulator's own
+        measurements (evaluation), which are no part of the method."""
+        undeclared = [op.name for op in ops if self.ops and self.ops.get(op.name) != op]
+        if undeclared:
+            raise ValueError(
+                f"method {self.method!r} asks for device op {undeclared[0]!r}, which its DEVICE_OPS do not "
+                f"declare ({', '.join(self.ops)})"
+            )
+        by_name = {op.name: op for op in ops}
+        op_of = {c: by_name[_op_name(m, ops)] for c, m in msgs.items()}
+        checks = {
+            op.name: op.check({c: m for c, m in msgs.items() if op_of[c] is op}, self.shard_sizes)
+            for op in ops
+            if op.check
+        }
+
+        def check(client: int, reply: Message) -> tuple[str, str] | None:
+            name = op_of[client].name
+            return checks[name](client, reply) if name in checks else None
+
         before = self.transport.ledger.totals()
-        replies = self.transport.gather(msgs, reply, timeout_s or self.timeout_s, check=check)
+        replies = self.transport.gather(
+            msgs, {c: op.reply_kind for c, op in op_of.items()}, timeout_s or self.timeout_s, check=check
+        )
         ids = np.array(sorted(replies), dtype=np.int64)
         down = np.array([_payload(msgs[c]) for c in ids.tolist()], dtype=np.float64)
         up = np.array([_payload(replies[c]) for c in ids.tolist()], dtype=np.float64)
-        done = np.array(
-            [work(msgs[c], replies[c]) if work else (0.0, 0.0) for c in ids.tolist()], dtype=np.float64
-        ).reshape(-1, 2)
+        done = np.array([_work(op_of[c], msgs[c], replies[c]) for c in ids.tolist()], dtype=np.float64).reshape(-1, 2)
         kept, clock = (
             self.clock.price(kind, ids, down, up, done[:, 0], done[:, 1])
             if clocked and self.clock is not None
@@ -120,9 +159,10 @@ class Federation:
     def train(
         self, rnd: int, tasks: dict[int, Task], delays: dict[int, float] | None = None, timeout_s: float | None = None
     ) -> Exchange[Result]:
-        """Train the selected clients; `delays` (real-time mode) makes each device wait
-        that long before answering, and replies later than `timeout_s` are dropped. The
-        round is the exchange's report; `kept` are the replies that beat the clock."""
+        """Train the selected clients, each with its task's op (one round may mix ops);
+        `delays` (real-time mode) makes each device wait that long before answering, and
+        replies later than `timeout_s` are dropped. The round is the exchange's report;
+        `kept` are the replies that beat the clock."""
         base = {
             "epochs": self.cfg["local_epochs"],
             "batch_size": self.cfg["batch_size"],
@@ -130,28 +170,16 @@ class Federation:
             "vectorize": self.cfg["vectorize"],
             "seed": self._seed(rnd),
         }
-        ops = {t.op for t in tasks.values()}
-        if len(ops) > 1:
-            raise ValueError(f"round {rnd}: one round's tasks name one device op, not {sorted(ops)}")
-        op = ops.pop() if ops else "train"
         msgs = {}
         for c, t in tasks.items():
             tensors = {} if t.models is None else {"model": t.models.detach().cpu().numpy()}
             delay = {"delay_s": delays[c]} if delays else {}
-            msgs[c] = _train_message(op, rnd, c, tensors, {**base, **t.meta, **delay})
-        ex = self.exchange(
-            "train",
-            rnd,
-            msgs,
-            "update" if op == "train" else "result",
-            check=update_check(msgs, self.shard_sizes, stays={c for c, t in tasks.items() if not t.model_back}),
-            timeout_s=timeout_s,
-            work=_trained,
-            event=False,
-        )
+            msgs[c] = t.op.message(rnd, c, tensors, {**base, **t.meta, **delay})
+        ops = list({t.op.name: t.op for t in tasks.values()}.values())
+        ex = self._exchange("train", rnd, msgs, ops, timeout_s=timeout_s, event=False)
         return ex.decoded(lambda r: Result(self._tensor(r, "model"), int(r.meta["n"]), r.meta))
 
-    def _tensor(self, msg: Message, name: str):
+    def _tensor(self, msg: Message, name: str) -> torch.Tensor | None:
         if name not in msg.tensors:
             return None
         return torch.from_numpy(msg.tensors[name].copy()).to(self.device)
@@ -163,32 +191,20 @@ class Federation:
         msgs = {}
         for c, r in zip(clients.tolist(), rows.tolist(), strict=True):
             tensors = {} if host is None else {"model": host[r : r + 1]}
-            msgs[c] = Message("evaluate", rnd, c, tensors=tensors, meta={"resident": host is None})
-        ex = self.exchange(
-            "evaluate", rnd, msgs, "metrics", check=metrics_check(self.shard_sizes), clocked=False, event=False
-        )
+            msgs[c] = EVALUATE.message(rnd, c, tensors, {"resident": host is None})
+        ex = self._exchange("evaluate", rnd, msgs, [EVALUATE], clocked=False, event=False)
         return {c: m.meta for c, m in ex.results.items()}
 
     def embed(
-        self, rnd: int, clients, tensors: dict[str, np.ndarray], meta: dict, purpose: str = "fcr"
+        self, rnd: int, clients: np.ndarray, tensors: dict[str, np.ndarray], meta: dict, purpose: str = "fcr"
     ) -> Exchange[np.ndarray]:
         """Send an encoder to each client (once per client, counted as 'encoder' bytes) and
         collect its k x e centroids; the exchange is priced and reported as `purpose`."""
         msgs = {
-            int(c): Message("encoder", rnd, int(c), tensors=tensors, meta={**meta, "seed": self._seed(rnd, 1)})
-            for c in clients
+            int(c): EMBED.message(rnd, int(c), tensors, {**meta, "seed": self._seed(rnd, 1)})
+            for c in np.asarray(clients).tolist()
         }
-        k = meta.get("k")  # "auto" picks k in 2..10 on the device; "labels": one row per class
-        max_k = k if isinstance(k, int) else MAX_CLASSES if k == "labels" else 10
-        ex = self.exchange(
-            purpose,
-            rnd,
-            msgs,
-            "centroids",
-            timeout_s=self.timeout_s * 4,
-            work=_embedded,
-            check=centroids_check(self.shard_sizes, max_k, labelled=k == "labels"),
-        )
+        ex = self._exchange(purpose, rnd, msgs, [EMBED], timeout_s=self.timeout_s * 4)
         return ex.decoded(lambda m: m.tensors["centroids"].copy())
 
     # -- checkpoints -------------------------------------------------------------------
@@ -236,7 +252,7 @@ class Federation:
         t, clients = self.transport, self._hosted()
         billed, t.ledger = t.ledger, Ledger()
         try:
-            msgs = {c: Message("snapshot", rnd, c) for c in clients}
+            msgs = {c: SNAPSHOT.message(rnd, c, {}, {}) for c in clients}
             replies = t.gather(msgs, "state", self.timeout_s, check=state_check(self.model_size), own=True)
         finally:
             t.ledger = billed
@@ -320,7 +336,8 @@ def run_method(
     checkpoint's round instead of starting over."""
     out_dir.mkdir(parents=True, exist_ok=True)
     transport = fed.transport
-    fed.method, fed.clock = strategy.name, population  # the population prices every exchange
+    fed.declare(strategy.name, strategy.DEVICE_OPS)
+    fed.clock = population  # the population prices every exchange
     tic, pacer = time.perf_counter(), CheckpointPacer()
     if resume:
         done, history, setup_s = resume_method(out_dir, strategy, fed, population, progress)
@@ -457,29 +474,18 @@ def resume_method(
     return done, [json.loads(line) for line in lines], state["setup_s"]
 
 
-def _train_message(op: str, rnd: int, client: int, tensors: dict, meta: dict) -> Message:
-    """The built-in train op keeps its own kind; a method's own training op travels as a
-    generic task, its bytes billed as model traffic like train's."""
-    if op == "train":
-        return Message("train", rnd, client, tensors=tensors, meta=meta)
-    return Message("task", rnd, client, tensors=tensors, meta={**meta, "op": op, "traffic": "model"})
-
-
 def _payload(msg: Message) -> int:
     return sum(t.nbytes for t in msg.tensors.values())
 
 
-def _trained(sent: Message, reply: Message) -> tuple[float, float]:
-    """A training task: FedScale counts whole batches, batch_size x steps samples."""
-    return 0.0, float(sent.meta["batch_size"] * reply.meta.get("steps", 0))
+def _op_name(msg: Message, ops: list[DeviceOp]) -> str:
+    """The op a task message is for: its own kind's (a built-in op), else its meta "op"."""
+    return next((op.name for op in ops if op.task_kind == msg.kind != "task"), msg.meta.get("op", ""))
 
 
-def _embedded(sent: Message, reply: Message) -> tuple[float, float]:
-    """An embedding: one forward pass over the shard, after J fine-tuning epochs (whole
-    batches, as for training) when the encoder is fine-tuned (Enc2)."""
-    n, tune = int(reply.meta["n"]), sent.meta.get("finetune")
-    trained = tune["epochs"] * -(-n // tune["batch_size"]) * tune["batch_size"] if tune else 0
-    return float(n), float(trained)
+def _work(op: DeviceOp, sent: Message, reply: Message) -> tuple[float, float]:
+    """What the clock prices for one client: the op's work, nothing for an error reply."""
+    return op.work(sent, reply) if op.work and reply.kind == op.reply_kind else (0.0, 0.0)
 
 
 def _bytes_between(before: dict, after: dict) -> dict:

@@ -33,7 +33,7 @@ def update_check(sent: dict[int, Message], sizes: ShardSizes | None, stays: Coll
     and (unless the model stays on the device: clients in `stays`) one finite model of
     the size that was sent."""
 
-    def check(client: int, reply: Message):
+    def check(client: int, reply: Message) -> tuple[str, str] | None:
         task, meta = sent[client], reply.meta
         n, expected_n = meta.get("n"), sizes(client)[0] if sizes else None
         if not _is_int(n) or n < 1 or (expected_n is not None and n != expected_n):
@@ -51,7 +51,7 @@ def update_check(sent: dict[int, Message], sizes: ShardSizes | None, stays: Coll
     return check
 
 
-def _model_problem(task: Message, reply: Message, stays: bool):
+def _model_problem(task: Message, reply: Message, stays: bool) -> tuple[str, str] | None:
     if stays:  # the model stays on the device (Local): none travels back
         return ("bad model", f"tensors {sorted(reply.tensors)} for a device-resident model") if reply.tensors else None
     model, size = reply.tensors.get("model"), task.tensors["model"].shape[-1]
@@ -66,7 +66,7 @@ def metrics_check(sizes: ShardSizes | None) -> Check:
     """`metrics` must count exactly the client's test shard, and a whole number of correct
     answers between 0 and that."""
 
-    def check(client: int, reply: Message):
+    def check(client: int, reply: Message) -> tuple[str, str] | None:
         correct, total = reply.meta.get("correct"), reply.meta.get("total")
         expected = sizes(client)[1] if sizes else total
         if not (
@@ -86,6 +86,25 @@ def metrics_check(sizes: ShardSizes | None) -> Check:
     return check
 
 
+def choose_check(sent: dict[int, Message], sizes: ShardSizes | None) -> Check:
+    """`choose`'s result: the client's training-sample count, one float loss per candidate
+    it was sent (K), and a choice among them."""
+
+    def check(client: int, reply: Message) -> tuple[str, str] | None:
+        n, expected_n = reply.meta.get("n"), sizes(client)[0] if sizes else None
+        if not _is_int(n) or n < 1 or (expected_n is not None and n != expected_n):
+            return "wrong sample count", f"n = {short(n, 24)}, its shard holds {expected_n}"
+        offered = sent[client].tensors["model"].shape[0]
+        losses = reply.tensors.get("losses")
+        if losses is None or losses.shape != (offered,) or losses.dtype.kind != "f" or len(reply.tensors) != 1:
+            return "bad losses", f"expected one float loss for each of {offered} candidates"
+        if not _is_int(reply.meta.get("choice")) or not 0 <= reply.meta["choice"] < offered:
+            return "bad meta", f"choice = {short(reply.meta.get('choice'), 24)} of {offered} candidates"
+        return None
+
+    return check
+
+
 MAX_CLASSES = 64  # label-conditioned centroids: at most one row per class (FEMNIST has 62)
 
 
@@ -93,7 +112,7 @@ def centroids_check(sizes: ShardSizes | None, max_k: int = 64, labelled: bool = 
     """`centroids`: the client's whole training shard embedded, into 1..max_k finite rows;
     `labelled`: each row ends with its class, distinct whole numbers in [0, max_k)."""
 
-    def check(client: int, reply: Message):
+    def check(client: int, reply: Message) -> tuple[str, str] | None:
         n, expected_n = reply.meta.get("n"), sizes(client)[0] if sizes else None
         if not _is_int(n) or (expected_n is not None and n != expected_n):
             return "wrong sample count", f"n = {short(n, 24)}, its shard holds {expected_n}"
@@ -119,7 +138,7 @@ def state_check(model_size: int | None) -> Check:
     of the run's size. A wrong one would be written into the checkpoint and handed back to
     the device on resume."""
 
-    def check(client: int, reply: Message):
+    def check(client: int, reply: Message) -> tuple[str, str] | None:
         for key in ("flag", "watched"):
             if reply.meta.get(key, 0) not in (0, 1):
                 return "bad meta", f"{key} {short(reply.meta.get(key), 24)}"

@@ -15,7 +15,8 @@ import itertools
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import cast
 
 import numpy as np
 import zmq
@@ -73,7 +74,7 @@ class Ledger:
     def rejected(self) -> int:
         return self.rejections.messages
 
-    def add(self, rnd: int, client: int, direction: str, traffic: str, payload: int, overhead: int):
+    def add(self, rnd: int, client: int, direction: str, traffic: str, payload: int, overhead: int) -> None:
         row = self.rows[(rnd, direction, traffic)]
         row[0] += payload
         row[1] += overhead
@@ -92,7 +93,7 @@ class Ledger:
                 cell["messages"] += n
         return out
 
-    def reset(self):
+    def reset(self) -> None:
         self.rows.clear()
         self.per_client.clear()
         self.rejections = Rejections()
@@ -147,7 +148,7 @@ class Transport:
         limit = int(max(largest_message, MAX_HEADER_BYTES)) + self.gate.frame_overhead  # CURVE's wrapping
         self.sock.setsockopt(zmq.MAXMSGSIZE, limit)
 
-    def recv(self, timeout_s: float, kinds=SETUP_KINDS) -> tuple[str, Message] | None:
+    def recv(self, timeout_s: float, kinds: Collection[str] = SETUP_KINDS) -> tuple[str, Message] | None:
         """Next valid message of one of `kinds`, counted in the ledger, or None after the
         timeout. Anything else is rejected, counted by reason and dropped."""
         deadline = time.monotonic() + timeout_s
@@ -220,10 +221,11 @@ class Transport:
         self._logged_at[reason] = now
 
     # -- devices ----------------------------------------------------------------------
-    def _admit(self, rid: bytes, frames: list, msg: Message, size: tuple[int, int]) -> str | None:
+    def _admit(self, rid: bytes, frames: list[zmq.Frame], msg: Message, size: tuple[int, int]) -> str | None:
         """A new connection's hello: the gate names it (its CURVE key's name, or a name with
         the right token) or refuses it; a refused hello gets no answer and is counted."""
-        user_id = frames[1].get("User-Id") if self.gate.curve else None
+        # the ZAP handler stamps the key's name (a str); pyzmq's stub types a property as int | str
+        user_id = cast(str, frames[1].get("User-Id")) if self.gate.curve else None
         try:
             name = self.gate.admit(msg.meta, user_id, taken=self.routes)
         except Refused as exc:
@@ -251,7 +253,7 @@ class Transport:
         self.devices[ident] = msg.meta
         log.info("device %s connected (pid %s)", ident, msg.meta.get("pid"))
 
-    def broadcast(self, msg: Message, devices=None) -> None:
+    def broadcast(self, msg: Message, devices: Iterable[str] | None = None) -> None:
         for d in devices or self.active_devices():
             try:
                 self.send(d, msg)
@@ -265,13 +267,14 @@ class Transport:
     def gather(
         self,
         tasks: dict[int, Message],
-        reply: str,
+        reply: str | Mapping[int, str],
         timeout_s: float,
         on_reply: Callable[[int, Message], None] | None = None,
         check: Callable[[int, Message], tuple[str, str] | None] | None = None,
         own: bool = False,
     ) -> dict[int, Message]:
-        """Send one message per client, collect one reply per client.
+        """Send one message per client, collect one reply per client (of kind `reply`, or
+        `reply[client]` when the clients were asked different things).
 
         The header marks each device's last message ("last": 0/1, the same size
         whatever the split), so it can process its clients in one call. Returns the replies
@@ -305,7 +308,7 @@ class Transport:
                 if time.monotonic() >= deadline:
                     log.error(
                         "%s: %d clients did not answer within %.0f s: %s",
-                        reply,
+                        reply if isinstance(reply, str) else "/".join(sorted(set(reply.values()))),
                         len(waiting),
                         timeout_s,
                         sorted(waiting)[:20],
@@ -313,13 +316,14 @@ class Transport:
                     break
                 continue
             ident, msg, size = got
-            unwanted = self._unwanted(msg, batch, waiting, reply)
+            expected = reply if isinstance(reply, str) else reply.get(msg.client, "")
+            unwanted = self._unwanted(msg, batch, waiting, expected)
             if unwanted:
                 self.reject(unwanted[0], ident, size, f"{msg.kind} for client {msg.client}: {unwanted[1]}")
                 if msg.kind == "hello" and ident not in self.devices:
                     self.forget(ident)  # named on arrival, never a device: keep nothing of it
                 continue
-            wrong = check(msg.client, msg) if check and msg.kind == reply else None
+            wrong = check(msg.client, msg) if check and msg.kind == expected else None
             if wrong:
                 self.reject(wrong[0], ident, size, f"{msg.kind} for client {msg.client}: {wrong[1]}")
                 waiting.discard(msg.client)  # its one reply was wrong: no other will come

@@ -19,7 +19,8 @@ from flt.emulator.config import parse_methods
 from flt.emulator.population import Population
 from flt.emulator.profiles import Profiles
 from flt.server.exchange import Exchange
-from flt.server.federation import _embedded, _trained
+from flt.server.ops import embedded as _embedded
+from flt.server.ops import trained as _trained
 from flt.server.strategies.base import Context
 from flt.server.strategies.flt import FLT
 

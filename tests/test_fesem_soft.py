@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from flt.common.schema import ConfigError
+from flt.server.ops import EVALUATE, TRAIN
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context, Result, cluster_average, one_hot
 from flt.server.strategies.fedsem import FedSEM
@@ -93,7 +94,7 @@ def test_bad_parameters_are_refused_naming_the_field(problem, params, what):
 
 
 def test_registered_with_the_device_ops_of_fedsem():
-    assert STRATEGIES["fesem_soft"] is FeSEMSoft and FeSEMSoft.DEVICE_OPS == ("train", "evaluate")
+    assert STRATEGIES["fesem_soft"] is FeSEMSoft and FeSEMSoft.DEVICE_OPS == (TRAIN, EVALUATE)
 
 
 def test_cluster_average_with_hard_and_soft_responsibilities():

@@ -10,11 +10,11 @@ import torch
 from flt_command import flt  # tests/ is on sys.path under pytest
 from scipy.spatial.distance import cdist
 
-from flt.common.wire import Message
 from flt.emulator.config import parse_methods
 from flt.reports.writer import write_artifacts
 from flt.server import fcr
-from flt.server.exchange import Exchange
+from flt.server.exchange import Exchange, Reply
+from flt.server.ops import CHOOSE
 from flt.server.strategies.base import Context, Result, weighted_average
 from flt.server.strategies.fedavg import FedAvg
 from flt.server.strategies.flt import FLT
@@ -290,6 +290,7 @@ def test_flt_relate_runs_fcr_alone_over_device_processes(tmp_path):
     assert bad.returncode == 2 and "not an FCR method" in bad.stderr
 
 
+@pytest.mark.slow
 def test_fcr_comes_out_as_artifacts_that_the_reporter_writes(tmp_path):
     s, fed = clustered_flt(tmp_path, recluster_every=4)
     (art,) = s.take_artifacts()
@@ -333,10 +334,10 @@ class Population(Embedder):
         self.present = np.arange(12)
         self.exchanges = []
 
-    def exchange(self, kind, rnd, msgs, reply, **_):
-        self.exchanges.append((kind, sorted(msgs)))
-        assert all(m.meta["op"] == "choose" and m.tensors["model"].shape == (2, P) for m in msgs.values())
-        got = {c: Message("result", rnd, c, tensors={"losses": np.array([2.0, 1.0])}) for c in msgs}
+    def run(self, op, rnd, calls, purpose=None, **_):
+        self.exchanges.append((purpose, sorted(calls)))
+        assert op is CHOOSE and all(call.tensors["model"].shape == (2, P) for call in calls.values())
+        got = {c: Reply({"losses": np.array([2.0, 1.0])}, {"choice": 1}) for c in calls}
         return Exchange(got, sorted(got), {"bytes": {"down": {"model": 123}}})
 
 

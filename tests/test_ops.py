@@ -17,7 +17,9 @@ from flt.devices.device import Device
 from flt.devices.trainer import CohortTrainer
 from flt.models.flat import flatten, param_spec
 from flt.models.nets import build_model
+from flt.server.exchange import Call
 from flt.server.federation import Federation
+from flt.server.ops import CHOOSE, TRAIN_BEST, TRAIN_RESIDENT
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Task
 from flt.server.transport import Transport
@@ -26,7 +28,7 @@ from flt.server.transport import Transport
 def test_every_strategy_names_device_ops_that_exist():
     for name, cls in STRATEGIES.items():
         for op in cls.DEVICE_OPS:
-            assert callable(ops.lookup(op)), (name, op)
+            assert callable(ops.lookup(op.name)), (name, op)
 
 
 def test_an_op_of_a_method_is_imported_by_its_name_and_unknown_ones_are_named():
@@ -106,13 +108,9 @@ def served_device():
 def test_a_new_op_travels_as_a_task_and_answers_over_a_real_socket(served_device):
     server, dev, w0 = served_device
     candidates = torch.stack([w0, w0 * 0.5, w0 + 0.01 * torch.randn_like(w0)]).numpy()
-    msgs = {
-        c: Message("task", 1, c, tensors={"model": candidates}, meta={"op": "choose", "traffic": "model"})
-        for c in (4, 7)
-    }
-    # the path a strategy takes: the federation's one exchange call, reported as an event
+    # the path a strategy takes: the federation's typed call, reported as an event
     fed = Federation(server, {}, seed=0, timeout_s=30, device=torch.device("cpu"))
-    ex = fed.exchange("choose", 1, msgs, "result")
+    ex = fed.run(CHOOSE, 1, {c: Call({"model": candidates}) for c in (4, 7)})
     replies = ex.results
     assert sorted(replies) == sorted(ex.kept) == [4, 7] and fed.take_events() == [ex.report]
     assert ex.report["bytes"]["down"]["model"] > 2 * candidates.nbytes  # payload + headers
@@ -162,7 +160,7 @@ def test_train_best_picks_the_lowest_loss_candidate_then_trains_it(served_device
     g = torch.Generator().manual_seed(5)
     candidates = torch.stack([w0 * 0.5, w0, w0 + 0.05 * torch.randn(w0.shape, generator=g)])
     fed = _fed(server)
-    ex = fed.train(2, {c: Task(candidates, op="train_best") for c in (4, 7)})
+    ex = fed.train(2, {c: Task(candidates, op=TRAIN_BEST) for c in (4, 7)})
     assert sorted(ex.kept) == [4, 7]
     down, up = server.ledger.totals()["down"]["model"], server.ledger.totals()["up"]["model"]
     assert down["payload"] == 2 * candidates.numel() * 4 and up["payload"] == 2 * w0.numel() * 4  # model traffic
@@ -180,26 +178,38 @@ def test_train_best_picks_the_lowest_loss_candidate_then_trains_it(served_device
 def test_train_resident_keeps_the_model_on_the_device_across_rounds(served_device):
     server, dev, w0 = served_device
     fed = _fed(server)
-    first = fed.train(1, {c: Task(w0[None], op="train_resident", model_back=False) for c in (4, 7)})
+    first = fed.train(1, {c: Task(w0[None], op=TRAIN_RESIDENT) for c in (4, 7)})
     assert all(r.model is None and r.meta["op"] == "train_resident" for r in first.results.values())
     assert server.ledger.totals()["up"]["model"]["payload"] == 0  # nothing but headers came back
     after_one = _plain(fed, 1, {4: w0, 7: w0})
     for c in (4, 7):
         torch.testing.assert_close(dev.resident[c], after_one[c], rtol=0, atol=0)
     # round 2 sends nothing: the device trains on from what it kept
-    second = fed.train(2, {4: Task(None, op="train_resident", model_back=False)})
+    second = fed.train(2, {4: Task(None, op=TRAIN_RESIDENT)})
     assert second.kept == [4]
     torch.testing.assert_close(dev.resident[4], _plain(fed, 2, {4: after_one[4]})[4], rtol=0, atol=0)
     kept = server.gather({4: Message("snapshot", 2, 4)}, "state", 30)[4]  # what a checkpoint saves
     np.testing.assert_array_equal(kept.tensors["model"], dev.resident[4].numpy())
 
 
-def test_one_round_names_one_training_op(served_device):
+def test_one_round_may_mix_ops(served_device):
     server, _, w0 = served_device
-    with pytest.raises(
-        ValueError, match=r"round 1: one round's tasks name one device op, not \['train', 'train_best'\]"
-    ):
-        _fed(server).train(1, {4: Task(w0[None]), 7: Task(w0[None], op="train_best")})
+    fed = _fed(server)
+    candidates = torch.stack([w0 * 0.5, w0])
+    ex = fed.train(1, {4: Task(w0[None]), 7: Task(candidates, op=TRAIN_BEST)})
+    assert sorted(ex.kept) == [4, 7] and ex.results[4].meta["choice"] == 0 and "op" not in ex.results[4].meta
+    assert ex.results[7].meta["op"] == "train_best"
+    torch.testing.assert_close(ex.results[4].model, _plain(fed, 1, {4: w0})[4], rtol=0, atol=0)
+
+
+def test_an_op_the_method_did_not_declare_is_refused_by_name(served_device):
+    server, _, w0 = served_device
+    fed = _fed(server)
+    fed.declare("fedavg", STRATEGIES["fedavg"].DEVICE_OPS)
+    with pytest.raises(ValueError, match=r"method 'fedavg' asks for device op 'choose', which its DEVICE_OPS"):
+        fed.run(CHOOSE, 1, {4: Call({"model": w0[None].numpy()})})
+    with pytest.raises(ValueError, match=r"method 'fedavg' asks for device op 'train_best'"):
+        fed.train(1, {4: Task(w0[None]), 7: Task(w0[None], op=TRAIN_BEST)})
 
 
 def test_a_checkpoint_snapshot_takes_no_batch_id_of_the_method(served_device):
@@ -207,7 +217,7 @@ def test_a_checkpoint_snapshot_takes_no_batch_id_of_the_method(served_device):
     billed header, so the snapshot that gathers device-held models uses ids of its own."""
     server, dev, w0 = served_device
     fed = _fed(server)
-    fed.train(1, {4: Task(w0[None], op="train_resident", model_back=False)})
+    fed.train(1, {4: Task(w0[None], op=TRAIN_RESIDENT)})
     first, again = fed.state_dict(1), fed.state_dict(1)
     assert first["batch"] == again["batch"] == 2  # round 1 took id 1; two snapshots took none
     np.testing.assert_array_equal(again["clients"]["models"][4], dev.resident[4].numpy())
@@ -224,6 +234,7 @@ class _NoStateFor(Device):
         super().send(msg)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_is_written_without_the_state_a_device_did_not_give_and_resume_names_it():
     """A device that does not answer the checkpoint's snapshot, or answers it wrong, must
     not stop the run (it did: RuntimeError): the state is checked like any reply, and the
@@ -231,10 +242,22 @@ def test_a_checkpoint_is_written_without_the_state_a_device_did_not_give_and_res
     with device_served(_NoStateFor, clients=(4, 7, 9)) as (server, dev, w0):
         cfg = {"local_epochs": 1, "batch_size": 4, "lr": 0.05, "vectorize": True}
         fed = Federation(server, cfg, seed=3, timeout_s=2, device=torch.device("cpu"), model_size=w0.numel())
-        fed.train(1, {c: Task(w0[None], op="train_resident", model_back=False) for c in (4, 7, 9)})
+        fed.train(1, {c: Task(w0[None], op=TRAIN_RESIDENT) for c in (4, 7, 9)})
         state = fed.state_dict(1)
         assert state["clients"]["missing"] == [4, 7]  # 7 said nothing; 4 sent a model of the wrong size
         assert sorted(state["clients"]["models"]) == [9]
         np.testing.assert_array_equal(state["clients"]["models"][9], dev.resident[9].numpy())
         assert server.rejections.by_reason["bad state"][0] == 1
         assert fed.load_state_dict(state) == [4, 7]  # what resume reports as lacking
+
+
+def test_a_method_declaring_an_op_no_device_has_is_refused_at_start_up(monkeypatch):
+    from flt.common.schema import ConfigError
+    from flt.emulator.session import check_device_ops
+    from flt.server.ops import DeviceOp
+
+    methods = [{"name": "fedavg", "label": "mine"}]
+    check_device_ops({"methods": methods})  # the shipped declaration is fine
+    monkeypatch.setattr(STRATEGIES["fedavg"], "DEVICE_OPS", (*STRATEGIES["fedavg"].DEVICE_OPS, DeviceOp("nosuch")))
+    with pytest.raises(ConfigError, match=r"method 'mine' \(fedavg\) declares device op 'nosuch', which no device"):
+        check_device_ops({"methods": methods})

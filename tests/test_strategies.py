@@ -13,6 +13,7 @@ from flt.emulator.population import Population
 from flt.server import fcr
 from flt.server.encoder import image_source
 from flt.server.exchange import Exchange
+from flt.server.ops import TRAIN, TRAIN_BEST, TRAIN_RESIDENT
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context, Result
 from flt.server.strategies.cfl import CFL
@@ -67,12 +68,12 @@ def test_local_sends_init_once_then_nothing(tmp_path):
     s = Local(ctx)
     first = s.train_tasks(1, np.array([1, 2]))
     for t in first.values():
-        assert t.op == "train_resident" and not t.model_back and t.meta == {}
+        assert t.op is TRAIN_RESIDENT and not t.op.model_back and t.meta == {}
         assert t.models.shape == (1, P) and torch.equal(t.models[0], ctx.init)
     s.aggregate(1, {1: result(None), 2: result(None)})
     second = s.train_tasks(2, np.array([2, 5]))
-    assert second[2].models is None and second[2].op == "train_resident"
-    assert second[5].models is not None and second[5].op == "train_resident"
+    assert second[2].models is None and second[2].op is TRAIN_RESIDENT
+    assert second[5].models is not None and second[5].op is TRAIN_RESIDENT
     models, rows = s.eval_models(np.arange(ctx.n_clients))
     assert models is None and len(rows) == ctx.n_clients
     assert s.expected_bytes(4, 100)["bytes"] == 3 * 100  # clients 1, 2, 5: once each
@@ -84,9 +85,9 @@ def test_ifca_tasks_carry_all_cluster_models(tmp_path):
     s = IFCA(ctx, clusters=3)
     tasks = s.train_tasks(1, np.array([0, 4, 6]))
     for t in tasks.values():
-        assert t.models.shape == (3, P) and t.op == "train_best"  # the device picks, then trains
+        assert t.models.shape == (3, P) and t.op is TRAIN_BEST  # the device picks, then trains
         assert torch.equal(t.models[0], ctx.init)
-    assert IFCA(ctx, clusters=3, warmup_rounds=1).train_tasks(1, np.array([0]))[0].op == "train"
+    assert IFCA(ctx, clusters=3, warmup_rounds=1).train_tasks(1, np.array([0]))[0].op is TRAIN
     m = tasks[0].models
     assert not torch.equal(m[1], m[2]) and not torch.equal(m[0], m[1])
     assert (m[1:] - ctx.init).std() == pytest.approx(0.01, rel=0.5)
@@ -359,6 +360,9 @@ class FakeFederation:
         self.timeout_s = 60.0
         self.events: list[dict] = []
 
+    def declare(self, method, ops):
+        self.method, self.ops = method, ops
+
     def take_events(self):
         events, self.events = self.events, []
         return events
@@ -374,7 +378,7 @@ class FakeFederation:
         for c, t in tasks.items():
             if t.models is not None:
                 self._count("down", "model", t.models.numel() * 4)
-            if not t.model_back:
+            if not t.op.model_back:
                 if c not in self.resident:
                     self.resident[c] = t.models[0].clone()
                 cands = self.resident[c][None]
@@ -384,7 +388,7 @@ class FakeFederation:
             step = 0.5 / (1 + t.meta.get("prox_mu", 0.0))
             w = cands[k] + step * (self.targets[c] - cands[k])
             meta = {"n": int(self.n[c]), "choice": k}
-            if not t.model_back:
+            if not t.op.model_back:
                 self.resident[c] = w
                 out[c] = Result(None, int(self.n[c]), meta)
             else:

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from flt.server.strategies.params import METHODS
 
+if TYPE_CHECKING:  # a type only: importing base loads torch
+    from flt.server.strategies.base import Strategy
 
-class _Strategies(Mapping):
+
+class _Strategies(Mapping[str, "type[Strategy]"]):
     """name -> strategy class, each imported on first use."""
 
-    def __getitem__(self, name: str) -> type:
+    def __getitem__(self, name: str) -> type[Strategy]:
         method = METHODS[name]
         return getattr(importlib.import_module(method.module), method.cls)
 

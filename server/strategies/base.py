@@ -20,26 +20,24 @@ import torch
 from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
 
 from flt.common.schema import ConfigError, Field, validate
-from flt.common.wire import Message
 from flt.reports.artifacts import Artifact
 from flt.server.checkpoint import restore_vars
-from flt.server.exchange import Exchange, Work
+from flt.server.exchange import Call, Exchange, Reply
+from flt.server.ops import EVALUATE, TRAIN, DeviceOp
 from flt.server.strategies.params import METHODS
 
 
 @dataclass
 class Task:
     """One selected client's training task. `op` is the device operation that trains:
-    the built-in "train" (one model in, one out) or the method's own (devices/methods/<op>.py,
-    listed in DEVICE_OPS; all of a round's tasks name the same one). `models` [K, P] is
-    what travels (K > 1 only for an op that picks among candidates; None: nothing does).
-    `model_back` False: the op keeps the trained model on the device (Local), and a reply
-    that carries one anyway is rejected."""
+    the built-in TRAIN (one model in, one out) or the method's own (server/ops.py, run by
+    devices/methods/<name>.py), declared in the method's DEVICE_OPS; a round may mix ops.
+    `models` [K, P] is what travels (K > 1 only for an op that picks among candidates;
+    None: nothing does)."""
 
     models: torch.Tensor | None
     meta: dict = field(default_factory=dict)
-    op: str = "train"
-    model_back: bool = True
+    op: DeviceOp = TRAIN
 
 
 @dataclass
@@ -88,29 +86,29 @@ class FederationView(Protocol):
     ) -> dict[int, dict]: ...
 
     def embed(
-        self, rnd: int, clients, tensors: dict[str, np.ndarray], meta: dict, purpose: str = "fcr"
+        self, rnd: int, clients: np.ndarray, tensors: dict[str, np.ndarray], meta: dict, purpose: str = "fcr"
     ) -> Exchange[np.ndarray]: ...
 
-    def exchange(
+    def run(
         self,
-        kind: str,
+        op: DeviceOp,
         rnd: int,
-        msgs: dict[int, Message],
-        reply: str,
+        calls: dict[int, Call],
+        purpose: str | None = None,
         *,
         timeout_s: float | None = None,
-        work: Work | None = None,
-    ) -> Exchange[Message]:
-        """A method's own device operation (a `task` message naming its op)."""
+    ) -> Exchange[Reply]:
+        """Any device op the method declared (FLT's `choose`): one task per client, the
+        replies checked by the op's check."""
         ...
 
 
 class Strategy:
     name = "base"
     PARAMS: dict[str, Field] = {}
-    # the device half: operations the method's tasks name (devices/ops.py registers them;
-    # an op of the method's own lives in devices/methods/<op>.py)
-    DEVICE_OPS: tuple[str, ...] = ("train", "evaluate")
+    # the device half: every operation the method's tasks name (server/ops.py; the device
+    # runs devices/ops.py's or devices/methods/<name>.py); the run refuses any other
+    DEVICE_OPS: tuple[DeviceOp, ...] = (TRAIN, EVALUATE)
     TRANSIENT = ("ctx", "artifacts")  # given at construction / written out every round
 
     def __init__(self, ctx: Context, **params: object):

@@ -44,12 +44,12 @@ import numpy as np
 import torch
 
 from flt.common.errors import DeviceError
-from flt.common.wire import Message
 from flt.models.autoencoder import export_encoder_onnx
 from flt.models.flat import flatten
 from flt.server import encoder as enc
 from flt.server import fcr, placement
-from flt.server.exchange import Exchange
+from flt.server.exchange import Call, Exchange
+from flt.server.ops import CHOOSE, EMBED, EVALUATE, TRAIN
 from flt.server.strategies.base import (
     Artifact,
     FederationView,
@@ -69,7 +69,7 @@ from flt.server.strategies.params import flt_pipeline
 class FLT(Strategy):
     name = "flt"
     # embed: FCR's encoder and k-means (also PCA+kM+HC); choose: a new cluster's start model
-    DEVICE_OPS = ("train", "evaluate", "embed", "choose")
+    DEVICE_OPS = (TRAIN, EVALUATE, EMBED, CHOOSE)
     PARAMS = FLT_PARAMS  # server/strategies/params.py: every method's parameters, torch-free
 
     @classmethod
@@ -291,16 +291,12 @@ class FLT(Strategy):
         for j, k in self.opened.items():
             members = [c for c in np.flatnonzero(self.labels == j).tolist() if c in present]
             candidates = torch.stack([self.models[k], everyone]).cpu().numpy()
-            msgs = {
-                c: Message("task", rnd, c, tensors={"model": candidates}, meta={"op": "choose", "traffic": "model"})
-                for c in members
-            }
-            ex = fed.exchange(purpose, rnd, msgs, "result")
+            ex = fed.run(CHOOSE, rnd, {c: Call({"model": candidates}) for c in members}, purpose)
             spent += ex.bytes
             loss = np.zeros(2)
-            for c, r in ex.results.items():
-                got = np.asarray(r.tensors.get("losses", ()), dtype=np.float64)
-                if got.shape == (2,) and np.isfinite(got).all():  # anything else: not counted
+            for c, r in ex.results.items():  # shapes checked (server/replies.py: choose_check)
+                got = r.tensors["losses"].astype(np.float64)
+                if np.isfinite(got).all():  # a diverged candidate's loss: not counted
                     loss += got * self.ctx.n_train[c]
             pick = int(loss[1] < loss[0])  # no usable reply: the nearest cluster's model
             chosen[j] = ("nearest", "global")[pick]

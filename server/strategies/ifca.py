@@ -39,6 +39,7 @@ import logging
 import numpy as np
 import torch
 
+from flt.server.ops import EVALUATE, TRAIN, TRAIN_BEST
 from flt.server.strategies.base import (
     Result,
     Strategy,
@@ -56,7 +57,7 @@ log = logging.getLogger("flt.server")
 
 class IFCA(Strategy):
     name = "ifca"
-    DEVICE_OPS = ("train", "train_best", "evaluate")
+    DEVICE_OPS = (TRAIN, TRAIN_BEST, EVALUATE)
     PARAMS = IFCA_PARAMS  # server/strategies/params.py: every method's parameters, torch-free
 
     def __init__(self, ctx, **params):
@@ -99,7 +100,7 @@ class IFCA(Strategy):
         models = self._spawn(self.global_model) if self.models is None else self.models
         self.sel_cluster += len(selected)
         host = models.cpu()  # [C, P], one buffer shared by every message
-        return {int(c): Task(host, op="train_best") for c in selected}
+        return {int(c): Task(host, op=TRAIN_BEST) for c in selected}
 
     def aggregate(self, rnd: int, results: dict[int, Result]) -> None:
         if not results:

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from flt.server.ops import EVALUATE, TRAIN_RESIDENT
 from flt.server.strategies.base import Result, Strategy, Task
 
 
 class Local(Strategy):
     name = "local"
     PARAMS: dict = {}
-    DEVICE_OPS = ("train_resident", "evaluate")
+    DEVICE_OPS = (TRAIN_RESIDENT, EVALUATE)
 
     def __init__(self, ctx, **params):
         super().__init__(ctx, **params)
@@ -35,7 +36,7 @@ class Local(Strategy):
         for c in map(int, selected):
             # Marked when the Task is sent: the device stores w^0 before it trains, so even a
             # client whose update is later dropped (straggler, offline) already holds it.
-            tasks[c] = Task(None if self.initialised[c] else self.init_host, op="train_resident", model_back=False)
+            tasks[c] = Task(None if self.initialised[c] else self.init_host, op=TRAIN_RESIDENT)
             self.initialised[c] = True
         return tasks
 

@@ -1,0 +1,199 @@
+"""What `flt run` and `flt relate` both stand up before a method runs: the server socket, the
+device processes (or Ray actors, or devices started by hand), the clients each device hosts,
+and the federation the strategies talk to, with every reply checked against the partition.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flt.common.errors import DeviceError, short
+from flt.common.schema import ConfigError
+from flt.common.wire import Message
+from flt.emulator.fleet import make_fleet
+from flt.scenarios import partition as part
+from flt.server.auth import gate_for
+from flt.server.encoder import image_source
+from flt.server.federation import Federation
+from flt.server.strategies import STRATEGIES
+from flt.server.strategies.base import Context
+from flt.server.transport import DeviceLost, Transport
+
+
+class Session:
+    """The transport and the device fleet of one run folder. `external` False: only the
+    devices this machine starts (`flt relate`); `crash` False: no injected device crash."""
+
+    def __init__(
+        self, cfg: dict, run_dir: Path, init: torch.Tensor, n_clients: int, external: bool = True, crash: bool = True
+    ):
+        d = cfg["devices"]
+        self.cfg, self.external = cfg, d["external"] if external else 0
+        n_proc = d["processes"]
+        self.n_proc = min(os.cpu_count() or 1 if n_proc is None else n_proc, n_clients)
+        # the server's own tensor work is light; leave the cores to the device processes
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - self.n_proc * d["threads"]))
+        self.transport = Transport(
+            d["bind"],
+            gate_for(d["bind"], d["security"], d["keys"], self.external),
+            max_inbound=init.numel() * init.element_size(),
+        )  # devices upload one model at most
+        fleet_cfg = d if crash else {**d, "crash": {}}
+        self.fleet = make_fleet(fleet_cfg, self.transport.endpoint, run_dir / "logs", enroll=self.transport.gate.enroll)
+        self.transport.alive = self.fleet.alive
+        self.devices: list[str] = []
+        self.meta: dict = {}
+
+    def start(self, partition: part.Partition, model_spec: dict, clients: np.ndarray, progress) -> list[str]:
+        """Start the devices, wait for them (and for external ones), give them `clients`."""
+        d = self.cfg["devices"]
+        self.fleet.start(self.n_proc)
+        self.devices = self.fleet.wait(self.transport, d["start_timeout_s"])
+        self.devices += wait_external(self.transport, self.devices, self.external, d["start_timeout_s"], progress)
+        self.meta = assign_meta(self.cfg, model_spec)
+        assign_clients(self.transport, partition, self.devices, self.meta, d["start_timeout_s"], clients)
+        return self.devices
+
+    def federation(
+        self, partition: part.Partition, init: torch.Tensor, public: np.ndarray
+    ) -> tuple[Context, Federation]:
+        """What strategies are built with, and the federation they talk to (replies checked
+        against the partition's shard sizes and the model's size)."""
+        cfg = self.cfg
+        ctx = Context(
+            init=init,
+            n_clients=partition.n_clients,
+            n_train=np.array([len(t) for t in partition.train]),
+            device=aggregation_device(),
+            seed=cfg["seed"],
+            truth=partition.cluster.copy(),
+            train=cfg["train"],
+            public_images=image_source(cfg["data"], public),
+        )
+        fed = Federation(
+            self.transport,
+            cfg["train"],
+            cfg["seed"],
+            cfg["devices"]["round_timeout_s"],
+            ctx.device,
+            shard_sizes=lambda c: (len(partition.train[c]), len(partition.test[c])),
+            model_size=init.numel(),
+        )
+        return ctx, fed
+
+    def close(self) -> None:
+        self.transport.close()
+        self.fleet.stop()
+
+
+def check_device_ops(cfg: dict) -> None:
+    """Every device op the scenario's methods declare exists on the device side (devices/ops.py
+    or devices/methods/<name>.py): else a ConfigError naming the method and the op, before
+    any process starts."""
+    from flt.devices import ops  # the device half's registry (imports each method's own ops)
+
+    for spec in cfg["methods"]:
+        for op in STRATEGIES[spec["name"]].DEVICE_OPS:
+            try:
+                ops.lookup(op.name)
+            except ops.UnknownOp:
+                raise ConfigError(
+                    f"method {spec['label']!r} ({spec['name']}) declares device op {op.name!r}, which no device "
+                    f"has: register it in devices/methods/{op.name}.py"
+                ) from None
+
+
+def aggregation_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def assign_meta(cfg: dict, model_spec: dict) -> dict:
+    """What every device needs to host its clients: where the data is, the model, where to train."""
+    return {
+        "dataset": {
+            "name": cfg["data"]["dataset"],
+            "root": data_root(cfg["data"]["root"]),
+            "download": cfg["data"]["download"],
+        },
+        "model": model_spec,
+        "accelerator": cfg["devices"]["accelerator"],
+    }
+
+
+def assign_clients(
+    transport: Transport,
+    partition: part.Partition,
+    devices: list[str],
+    meta: dict,
+    timeout_s: float,
+    clients: np.ndarray,
+) -> None:
+    """Give each device a contiguous block of `clients`: their shard indices, never data.
+    A device that cannot take its block (it reports an error, does not answer within the
+    timeout, or says ready for other clients) is lost with its clients, named in the log,
+    and the run goes on without it; with no device left, nobody can train (DeviceError)."""
+    blocks = np.array_split(np.asarray(clients, dtype=np.int64), len(devices))
+    if partition.shift is not None:
+        meta = {**meta, "shift": partition.shift.meta()}
+    expected: dict[str, list[int]] = {}
+    for device, block in zip(devices, blocks, strict=True):
+        tensors = {"clients": block.astype(np.int64)}
+        for name, shards in (("train", partition.train), ("test", partition.test)):
+            chosen = [shards[c] for c in block]
+            tensors[f"{name}_offsets"] = np.cumsum([0] + [len(s) for s in chosen]).astype(np.int64)
+            tensors[f"{name}_idx"] = (np.concatenate(chosen) if chosen else np.zeros(0)).astype(np.int64)
+        if partition.shift is not None:
+            tensors.update(partition.shift.tensors(block))
+        for c in block:
+            transport.client_device[int(c)] = device
+        expected[device] = block.tolist()
+        try:
+            transport.send(device, Message("assign", meta=meta, tensors=tensors))
+        except DeviceLost as exc:
+            transport.lose(device, str(exc))
+    failed = _await_ready(transport, {d: c for d, c in expected.items() if d not in transport.lost_devices}, timeout_s)
+    for device, why in failed.items():
+        transport.lose(device, why)
+    if not transport.active_devices():
+        reasons = "; ".join(f"{d}: {why}" for d, why in sorted(failed.items())[:3])
+        raise DeviceError(f"no device could load its clients ({reasons})")
+
+
+def _await_ready(transport: Transport, expected: dict[str, list[int]], timeout_s: float) -> dict[str, str]:
+    """Wait for each device's `ready` naming exactly its clients; returns why each device
+    that did not send one failed."""
+    failed: dict[str, str] = {}
+    waiting, deadline = set(expected), time.monotonic() + timeout_s
+    while waiting:
+        got = transport.recv(max(0.0, deadline - time.monotonic()))
+        if got is None:
+            failed.update({d: f"did not load its clients within {timeout_s:.0f} s" for d in waiting})
+            break
+        device, msg = got
+        if device not in waiting or msg.kind not in ("ready", "error"):
+            continue
+        if msg.kind == "error":
+            failed[device] = f"could not load its clients: {short(msg.meta.get('reason'), 300)}"
+        elif msg.meta.get("clients") != expected[device]:
+            failed[device] = f"said ready for clients {short(msg.meta.get('clients'), 60)}, not the ones it was given"
+        waiting.discard(device)
+    return failed
+
+
+def wait_external(transport: Transport, local: list[str], n: int, timeout_s: float, progress) -> list[str]:
+    """Devices started by hand (`flt device --connect ...`), possibly on other hosts."""
+    if n == 0:
+        return []
+    progress(f"waiting for {n} external device(s): flt device --connect {transport.endpoint}")
+    transport.wait_devices(len(local) + n, timeout_s)
+    return sorted(d for d in transport.devices if d not in local)  # by name, not arrival
+
+
+def data_root(root: str | None) -> str | None:
+    """The scenario's data root as an absolute path (devices may run in another folder)."""
+    return str(Path(root).expanduser().resolve()) if root else None
