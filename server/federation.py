@@ -157,12 +157,18 @@ class Federation:
         return events
 
     def train(
-        self, rnd: int, tasks: dict[int, Task], delays: dict[int, float] | None = None, timeout_s: float | None = None
+        self,
+        rnd: int,
+        tasks: dict[int, Task],
+        delays: dict[int, float] | None = None,
+        timeout_s: float | None = None,
+        purpose: str | None = None,
     ) -> Exchange[Result]:
         """Train the selected clients, each with its task's op (one round may mix ops);
         `delays` (real-time mode) makes each device wait that long before answering, and
         replies later than `timeout_s` are dropped. The round is the exchange's report;
-        `kept` are the replies that beat the clock."""
+        `kept` are the replies that beat the clock. `purpose`: training outside the round
+        (FedGroup's pre-training), reported as an event of that name."""
         base = {
             "epochs": self.cfg["local_epochs"],
             "batch_size": self.cfg["batch_size"],
@@ -176,7 +182,7 @@ class Federation:
             delay = {"delay_s": delays[c]} if delays else {}
             msgs[c] = t.op.message(rnd, c, tensors, {**base, **t.meta, **delay})
         ops = list({t.op.name: t.op for t in tasks.values()}.values())
-        ex = self._exchange("train", rnd, msgs, ops, timeout_s=timeout_s, event=False)
+        ex = self._exchange(purpose or "train", rnd, msgs, ops, timeout_s=timeout_s, event=purpose is not None)
         return ex.decoded(lambda r: Result(self._tensor(r, "model"), int(r.meta["n"]), r.meta))
 
     def _tensor(self, msg: Message, name: str) -> torch.Tensor | None:

@@ -17,6 +17,7 @@ from flt.server.ops import TRAIN, TRAIN_BEST, TRAIN_RESIDENT
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context, Result
 from flt.server.strategies.cfl import CFL
+from flt.server.strategies.fedgroup import FedGroup
 from flt.server.strategies.fedprox import FedProx
 from flt.server.strategies.fedsem import FedSEM
 from flt.server.strategies.ifca import IFCA
@@ -373,7 +374,7 @@ class FakeFederation:
     def state_dict(self, rnd):  # run_method checkpoints every round: no wire state here
         return {}
 
-    def train(self, rnd, tasks, delays=None, timeout_s=None):
+    def train(self, rnd, tasks, delays=None, timeout_s=None, purpose=None):
         out = {}
         for c, t in tasks.items():
             if t.models is not None:
@@ -421,11 +422,14 @@ LOOP = {
     "ifca": (IFCA, {"clusters": 2, "warmup_rounds": 2}),
     "fedsem": (FedSEM, {"centers": 2}),
     "cfl": (CFL, {"warmup_rounds": 3, "eps1": 1.5, "eps2": 4.0}),
+    "fedgroup": (FedGroup, {"groups": 2, "pretrain_scale": 5}),  # 10 of 20 pre-train, the rest cold-start
     "pca_km_hc": (PCAKMHC, {"components": 8, "clusters": 2}),
 }
 
 
-@pytest.mark.parametrize("name", sorted(LOOP))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "pca_km_hc" else n for n in sorted(LOOP)]
+)  # pca_km_hc: about 1.7 s of CPU
 def test_round_loop_and_byte_formula(tmp_path, name):
     from flt.server.federation import run_method
 
@@ -449,8 +453,10 @@ def test_round_loop_and_byte_formula(tmp_path, name):
     assert expected["bytes"] == measured, (expected, b)  # pca_km_hc: FLT's M*W_enc + k*M*e + 2*rho*M*W*T
     summary = strategy.summary()
     json.dumps(summary), json.dumps(expected)  # summary.json must be able to hold them
-    if name in ("ifca", "fedsem", "cfl"):
+    if name in ("ifca", "fedsem", "cfl", "fedgroup"):
         assert summary["ari"] == pytest.approx(1.0), summary
+    if name == "fedgroup":
+        assert summary["pretrained_clients"] == 10 and sum(c["clients"] for c in summary["cold_starts"]) > 0
     if name == "pca_km_hc":
         assert summary["fcr"]["ari"] == pytest.approx(1.0)
     if name != "fedprox":  # one model cannot serve two opposed targets

@@ -69,8 +69,10 @@ class Context:
 
 class FederationView(Protocol):
     """What a strategy may call on the federation (server/federation.py implements it).
-    Every call is one clocked exchange: priced on the emulated clock, its bytes counted
-    by kind, and reported as an event of the round."""
+    Every call is one exchange whose bytes are counted by kind. Training, embedding and a
+    method's own ops are also priced on the emulated clock; `evaluate` is the emulator's
+    measurement and is not. One-off exchanges (`embed`, `run`, `train` with a purpose) are
+    reported as events of the round."""
 
     @property
     def present(self) -> np.ndarray:
@@ -78,7 +80,12 @@ class FederationView(Protocol):
         ...
 
     def train(
-        self, rnd: int, tasks: dict[int, Task], delays: dict[int, float] | None = None, timeout_s: float | None = None
+        self,
+        rnd: int,
+        tasks: dict[int, Task],
+        delays: dict[int, float] | None = None,
+        timeout_s: float | None = None,
+        purpose: str | None = None,
     ) -> Exchange[Result]: ...
 
     def evaluate(

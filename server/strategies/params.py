@@ -312,6 +312,23 @@ IFCA = {
 }
 
 
+# -- FedGroup ----------------------------------------------------------------------------
+FEDGROUP = {
+    "groups": Field(int, 5, "m, the number of groups", min=1),
+    "pretrain_scale": Field(
+        int, 20, "alpha: alpha x m clients (at most M) pre-train before round 1 to form the groups", min=1
+    ),
+    "inter_group_lr": Field(
+        float,
+        0.0,
+        "eta: after each round every group model moves this far towards the mean of the others' updates "
+        "(0: groups never share, FedGroup's default)",
+        min=0,
+        max=1,
+    ),
+}
+
+
 # -- FedSEM ------------------------------------------------------------------------------
 FEDSEM = {
     "centers": Field(int, 5, "K, the number of centre models", min=1),
@@ -378,4 +395,5 @@ METHODS = {
     "fedsem": Method("flt.server.strategies.fedsem", "FedSEM", FEDSEM),
     "fesem_soft": Method("flt.server.strategies.fesem_soft", "FeSEMSoft", FESEM_SOFT),
     "cfl": Method("flt.server.strategies.cfl", "CFL", CFL),
+    "fedgroup": Method("flt.server.strategies.fedgroup", "FedGroup", FEDGROUP),
 }
