@@ -77,6 +77,7 @@ def key_dir(tmp_path) -> Path:
     return tmp_path / "keys"
 
 
+@pytest.mark.slow
 def test_flt_keys_makes_private_key_pairs_and_never_overwrites(key_dir):
     names = sorted(p.name for p in key_dir.iterdir())
     assert names == [
@@ -119,6 +120,7 @@ def test_a_token_only_device_cannot_secure_a_socket_with_curve():
         sock.close(0)
 
 
+@pytest.mark.slow
 def test_curve_is_the_default_off_loopback_and_needs_keys_for_external_devices(key_dir):
     assert is_loopback("tcp://127.0.0.1:*") and is_loopback("tcp://[::1]:5555")
     assert not is_loopback("tcp://0.0.0.0:5555") and not is_loopback("tcp://10.1.2.3:5555")
@@ -130,6 +132,7 @@ def test_curve_is_the_default_off_loopback_and_needs_keys_for_external_devices(k
     assert not gate.curve
 
 
+@pytest.mark.slow
 def test_scenario_with_unsafe_security_is_refused_before_anything_starts(tmp_path):
     res = flt(
         "run",
@@ -144,6 +147,7 @@ def test_scenario_with_unsafe_security_is_refused_before_anything_starts(tmp_pat
     assert res.returncode == 2 and "devices.security" in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.slow
 def test_an_allowed_key_names_the_device_and_a_wrong_key_gets_nothing(key_dir, tmp_path):
     """The real device program: one with an allowed key joins under its key's name (not the
     name it claims); one with a key that is not on the allowlist is refused, counted, and
@@ -180,6 +184,7 @@ def test_an_allowed_key_names_the_device_and_a_wrong_key_gets_nothing(key_dir, t
         rogue.kill()
 
 
+@pytest.mark.slow
 def test_a_device_with_a_wrong_server_key_gives_up_with_a_hint(key_dir, tmp_path):
     server = Transport(gate=Gate.from_dir(key_dir))
     keys.write_keypair(tmp_path, "impostor")  # what the device wrongly believes is the server's key
@@ -209,6 +214,7 @@ def test_a_device_with_a_wrong_server_key_gives_up_with_a_hint(key_dir, tmp_path
         server.close()
 
 
+@pytest.mark.slow
 def test_a_device_without_keys_at_a_curve_server_says_it_needs_them(key_dir):
     server = Transport(gate=Gate.from_dir(key_dir))
     dev = subprocess.Popen(
@@ -221,6 +227,7 @@ def test_a_device_without_keys_at_a_curve_server_says_it_needs_them(key_dir):
         server.close()
 
 
+@pytest.mark.slow
 def test_a_client_without_curve_cannot_reach_a_curve_server(key_dir):
     server = Transport(gate=Gate.from_dir(key_dir))
     stranger = peer(server.endpoint, [{"name": "edge-0"}], hold_s=1.5, handshake=False)
@@ -233,6 +240,7 @@ def test_a_client_without_curve_cannot_reach_a_curve_server(key_dir):
         server.close()
 
 
+@pytest.mark.slow
 def test_without_curve_only_the_process_holding_the_token_gets_a_local_name():
     """Loopback without CURVE: a stranger that says hello first as dev-0 does not get
     dev-0; the enrolled process does; a second connection with dev-0's token is refused
@@ -259,6 +267,7 @@ def test_without_curve_only_the_process_holding_the_token_gets_a_local_name():
         server.close()
 
 
+@pytest.mark.slow
 def test_curve_frames_up_to_the_inbound_limit_still_arrive(key_dir):
     """ZeroMQ's size limit applies to the CURVE-wrapped frame: a model of exactly the
     limit must not be dropped."""

@@ -24,6 +24,7 @@ def scenario(tmp_path: Path, text: str, name: str = "bad.yaml") -> Path:
 # -- bad scenarios stop before anything starts ---------------------------------------------
 
 
+@pytest.mark.slow
 def test_unknown_key_exits_2_naming_file_field_and_suggestion(tmp_path):
     path = scenario(tmp_path, "train: {lrr: 0.1}\n")
     out = tmp_path / "run"
@@ -37,6 +38,7 @@ def test_unknown_key_exits_2_naming_file_field_and_suggestion(tmp_path):
     assert "run folder" not in res.stdout
 
 
+@pytest.mark.slow
 def test_bad_method_param_through_the_cli_exits_2(tmp_path):
     path = scenario(tmp_path, "methods: [{name: flt, gama: 1}]\n")
     out = tmp_path / "run"
@@ -102,6 +104,7 @@ def test_compare_with_an_unknown_method_is_refused(tmp_path):
         config.load(QUICKSTART, [], ["fedavg", "fedavgg"])
 
 
+@pytest.mark.slow
 def test_missing_scenario_file_exits_2(tmp_path):
     res = flt("run", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "run"))
     assert res.returncode == 2
@@ -109,6 +112,7 @@ def test_missing_scenario_file_exits_2(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_missing_data_files_fail_with_a_message_naming_the_root(tmp_path):
     empty = tmp_path / "empty-root"
     empty.mkdir()
@@ -135,6 +139,7 @@ def one_round_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_overrides_are_applied_and_resolved_config_is_saved(one_round_run):
     saved = yaml.safe_load((one_round_run / "config.yaml").read_text())
     assert saved["train"]["rounds"] == 1
@@ -165,6 +170,7 @@ def compare_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_compare_runs_both_methods_on_one_partition(compare_run):
     s = json.loads((compare_run / "summary.json").read_text())
     assert set(s["methods"]) == {"fedavg", "local"}
@@ -179,6 +185,7 @@ def test_compare_runs_both_methods_on_one_partition(compare_run):
         assert (compare_run / label / "metrics.jsonl").is_file()
 
 
+@pytest.mark.slow
 def test_local_uploads_no_model_bytes(compare_run):
     s = json.loads((compare_run / "summary.json").read_text())
     local, fedavg = s["methods"]["local"], s["methods"]["fedavg"]
@@ -189,6 +196,7 @@ def test_local_uploads_no_model_bytes(compare_run):
     assert local["bytes_vs_formula"] == 1.0
 
 
+@pytest.mark.slow
 def test_help_lists_the_commands():
     res = flt("--help", timeout=120)
     assert res.returncode == 0, res.stderr

@@ -340,6 +340,7 @@ def test_femnist_small_leaf_json(tmp_path):
     assert list((tmp_path / "cache" / "femnist").glob("*.npz"))  # parsed once, cached
 
 
+@pytest.mark.slow
 def test_real_femnist():
     root = need(SHARED / "femnist")
     tr, te = load_dataset("femnist", root, train=True), load_dataset("femnist", root, train=False)

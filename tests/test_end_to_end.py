@@ -10,6 +10,8 @@ from flt_command import flt, flt_popen, free_port  # tests/ is on sys.path under
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
 
+pytestmark = pytest.mark.slow  # every test here runs the CLI with device processes
+
 
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())

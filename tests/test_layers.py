@@ -4,6 +4,7 @@ the layers beneath it (read from the source with ast, so nothing is imported her
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,7 @@ def _runtime_imports(tree: ast.AST) -> list[str]:
     return names
 
 
+@functools.cache  # read once for all the tests here
 def import_graph() -> dict[str, set[str]]:
     mods = _modules()
     return {m: {n for n in _runtime_imports(ast.parse(p.read_text())) if n in mods} - {m} for m, p in mods.items()}

@@ -173,6 +173,7 @@ def dynamic_run(tmp_path_factory):
     return out, rows, json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.slow
 def test_newcomers_join_as_a_new_process_get_a_model_and_are_evaluated(dynamic_run):
     out, rows, summary = dynamic_run
     assert [r["n_eval"] for r in rows[:9]] == [20] * 9  # cluster 4 withheld
@@ -192,6 +193,7 @@ def test_newcomers_join_as_a_new_process_get_a_model_and_are_evaluated(dynamic_r
     assert trained
 
 
+@pytest.mark.slow
 def test_drift_is_noticed_by_the_devices_and_its_clients_move(dynamic_run):
     out, rows, summary = dynamic_run
     drift = next(e for e in rows[10]["events"] if e["kind"] == "drift")
@@ -267,6 +269,7 @@ def test_server_side_monitor_flags_a_client_whose_update_turns_away(tmp_path):
     assert [e["cause"] for e in flt.maintain(1, fed)] == ["monitor"]
 
 
+@pytest.mark.slow
 def test_realtime_mode_makes_devices_wait_and_the_deadline_drops_them_for_real(tmp_path):
     res = subprocess.run(
         [

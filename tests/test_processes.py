@@ -25,6 +25,7 @@ def _parent(pid: int) -> int:
     return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_forked_devices_run_in_sessions_of_their_own_and_are_watched(tmp_path):
     transport = Transport()

@@ -32,6 +32,7 @@ def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+@pytest.mark.slow
 def test_launcher_ray_without_ray_names_the_field_and_the_install_command(tmp_path):
     # sys.modules["ray"] = None makes `import ray` fail as it does where ray is not installed
     res = flt(

@@ -178,6 +178,7 @@ def test_markdown_and_csv_hold_the_same_tables(tmp_path):
         assert {r["method"] for r in csv.DictReader(f)} == {"fedavg", "flt"}
 
 
+@pytest.mark.slow
 def test_a_folder_of_runs_is_expanded_and_a_wrong_folder_named(tmp_path):
     fake_run(tmp_path / "suite" / "a", "a")
     fake_run(tmp_path / "suite" / "b", "b")
@@ -239,6 +240,7 @@ def open_in_chromium(page: Path, tmp_path: Path) -> tuple[str, Path]:
     return dom.stdout, shot
 
 
+@pytest.mark.slow
 def test_page_renders_in_a_headless_browser_with_every_image(tmp_path):
     page = html_report.build([fake_run(tmp_path / "run")], tmp_path / "out")
     dom, shot = open_in_chromium(page, tmp_path)

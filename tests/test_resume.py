@@ -270,6 +270,7 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_results(uninterrupted
         assert got[name] == want[name], name
 
 
+@pytest.mark.slow
 def test_resume_needs_a_run_folder(tmp_path):
     res = flt_cli("run", "--resume", str(tmp_path))
     assert res.returncode == 2 and "config.yaml" in res.stderr and "Traceback" not in res.stderr

@@ -13,6 +13,7 @@ from flt.emulator.population import Population
 from flt.server import fcr
 from flt.server.encoder import image_source
 from flt.server.exchange import Exchange
+from flt.server.fcr_recipe import gamma_from_quantile, pca_basis
 from flt.server.ops import TRAIN, TRAIN_BEST, TRAIN_RESIDENT
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context, Result
@@ -23,7 +24,7 @@ from flt.server.strategies.fedsem import FedSEM
 from flt.server.strategies.ifca import IFCA
 from flt.server.strategies.local import Local
 from flt.server.strategies.params import METHODS
-from flt.server.strategies.pca_km_hc import PCAKMHC, gamma_from_quantile, pca_basis
+from flt.server.strategies.pca_km_hc import PCAKMHC
 
 P = 12
 DIGITS = {"dataset": "digits", "root": None}  # the data section of a scenario on scikit-learn's digits

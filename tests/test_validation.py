@@ -233,6 +233,7 @@ def test_encoder_sources_are_checked_before_anything_starts(tmp_path):
         config.load(QUICKSTART, ["methods=[{name: flt, encoder: {dataset: femnist}}]"])
 
 
+@pytest.mark.slow
 def test_a_missing_encoder_dataset_stops_the_run_before_any_folder_or_process(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -294,6 +295,7 @@ def test_compare_methods_accepts_labels_as_well_as_names():
 # -- through the command line: one line, exit 2, no run folder --------------------------------
 
 
+@pytest.mark.slow
 def test_invalid_set_yaml_and_an_empty_file_exit_2_naming_field_and_file(tmp_path):
     out = tmp_path / "run"
     res = flt("run", str(QUICKSTART), "--set", "train.rounds=[1,", "--out", str(out))
@@ -311,6 +313,7 @@ def write_idx(path: Path, arr: np.ndarray) -> None:
     path.write_bytes(gzip.compress(raw))
 
 
+@pytest.mark.slow
 def test_truncated_data_file_exits_2_naming_it_and_leaves_no_run_folder(tmp_path):
     rng = np.random.default_rng(0)
     root = tmp_path / "data"
@@ -329,6 +332,7 @@ def test_truncated_data_file_exits_2_naming_it_and_leaves_no_run_folder(tmp_path
     assert not out.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "override, words",
     [
@@ -344,6 +348,7 @@ def test_checks_against_the_data_leave_no_run_folder(tmp_path, override, words):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_scenario_runs_from_another_folder_and_prints_its_data_root(tmp_path):
     if not (SHARED / "mnist").is_dir():
         pytest.skip(f"real data not found at {SHARED}")
@@ -363,6 +368,7 @@ def test_a_scenario_runs_from_another_folder_and_prints_its_data_root(tmp_path):
     assert_one_line_error(res, 2, "partition.clients: 100000 clients")
 
 
+@pytest.mark.slow
 def test_a_bug_keeps_its_traceback_and_exits_1(tmp_path):
     code = (
         "import sys; from flt.emulator import cli, run\n"
@@ -376,6 +382,7 @@ def test_a_bug_keeps_its_traceback_and_exits_1(tmp_path):
     assert "error: " not in res.stderr.splitlines()[0]
 
 
+@pytest.mark.slow
 def test_devices_that_never_connect_exit_3_with_one_line(tmp_path):
     res = flt(
         "run",

@@ -7,6 +7,7 @@ import pytest
 from flt.devices import watch as w
 
 
+@pytest.mark.slow
 def test_the_neighbour_test_raises_few_false_alarms_on_fresh_draws_of_one_distribution():
     rng = np.random.default_rng(0)
     cov = rng.normal(size=(16, 16))

@@ -74,6 +74,7 @@ def test_oversized_message_is_rejected(monkeypatch):
         decode([_header(tensors=[{"name": "m", "dtype": "float32", "shape": [32]}]), b"\0" * 128])
 
 
+@pytest.mark.slow
 def test_server_socket_survives_garbage_from_a_real_peer():
     """A peer process sends malformed frames, then a valid message: the server counts
     the bad ones, keeps running and still receives the good one."""
@@ -100,6 +101,7 @@ s.close(linger=2000)
         server.sock.close(linger=0)
 
 
+@pytest.mark.slow
 def test_message_for_a_client_the_device_does_not_host_is_rejected():
     server = Transport()
     server.client_device[5] = "dev-a"

@@ -16,6 +16,7 @@ from flt.emulator.zygote import Zygote
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 
 
+@pytest.mark.slow
 def test_exit_codes_come_back_through_the_zygote(tmp_path):
     zygote, ended = Zygote.spawn(), None
     try:
@@ -34,6 +35,7 @@ def test_exit_codes_come_back_through_the_zygote(tmp_path):
     assert ended == 0  # it ended at EOF, not killed
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_under_flt_the_zygote_is_a_fork_of_the_emulator(tmp_path):
     """Forked, not executed: the zygote is a copy of the emulator (its title says so, and
