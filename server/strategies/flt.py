@@ -44,11 +44,9 @@ import numpy as np
 import torch
 
 from flt.common.errors import DeviceError
-from flt.models.autoencoder import export_encoder_onnx
-from flt.models.flat import flatten
-from flt.server import encoder as enc
 from flt.server import fcr, placement
 from flt.server.exchange import Call, Exchange
+from flt.server.fcr_recipe import FLT_RECIPE
 from flt.server.ops import CHOOSE, EMBED, EVALUATE, TRAIN
 from flt.server.strategies.base import (
     Artifact,
@@ -63,7 +61,6 @@ from flt.server.strategies.base import (
     weighted_average,
 )
 from flt.server.strategies.params import FLT as FLT_PARAMS
-from flt.server.strategies.params import flt_pipeline
 
 
 class FLT(Strategy):
@@ -71,16 +68,15 @@ class FLT(Strategy):
     # embed: FCR's encoder and k-means (also PCA+kM+HC); choose: a new cluster's start model
     DEVICE_OPS = (TRAIN, EVALUATE, EMBED, CHOOSE)
     PARAMS = FLT_PARAMS  # server/strategies/params.py: every method's parameters, torch-free
-
-    @classmethod
-    def pipeline(cls, params: dict) -> fcr.Relatedness:
-        """The preset with the scenario's overrides applied."""
-        return flt_pipeline(params)
+    # the encoder sent, the relatedness pipeline and its threshold (server/fcr_recipe.py);
+    # PCA+kM+HC is this class with another recipe
+    RECIPE = FLT_RECIPE
 
     def __init__(self, ctx, **params):
         super().__init__(ctx, **params)
         m = ctx.n_clients
-        self.how = self.pipeline(self.params)
+        self.how = self.RECIPE.pipeline(self.params)
+        self.gamma_used: float | None = self.how.gamma  # the threshold the last clustering used
         self.fcr_reports: list[dict] = []  # the initial FCR, then every re-clustering
         self.labels = np.zeros(m, dtype=np.int64)  # before FCR: everyone in one cluster
         self.graph = np.ones((m, m), dtype=np.float32)
@@ -132,21 +128,9 @@ class FLT(Strategy):
         return ex
 
     def encoder_payload(self) -> tuple[dict, dict, dict]:
-        """What travels down for FCR: ONNX bytes (frozen) or the autoencoder (fine-tune)."""
-        e = self.params["encoder"]
-        images = self.ctx.public_images(e)
-        settings = {k: e[k] for k in ("epochs", "lr", "batch_size", "latent")} | {"seed": self.ctx.seed}
-        ae, info = enc.pretrained_autoencoder(images, settings, self.ctx.device)
-        meta = {"k": self.params["k"], "latent": e["latent"], "in_shape": list(images.shape[1:])}
-        info = {"encoder_" + k: v for k, v in info.items()} | {"public_images": int(len(images))}
-        if e["finetune_epochs"] == 0:
-            onnx = np.frombuffer(export_encoder_onnx(ae, tuple(images.shape[1:])), dtype=np.uint8)
-            return {"onnx": onnx}, meta | {"format": "onnx"}, info
-        meta |= {
-            "format": "autoencoder",
-            "finetune": {"epochs": e["finetune_epochs"], "lr": e["finetune_lr"], "batch_size": e["finetune_batch"]},
-        }
-        return {"weights": flatten(ae).numpy()}, meta, info
+        """What travels down for FCR (the recipe's payload: ONNX bytes, an autoencoder, a
+        PCA basis), its meta and a report of the encoder."""
+        return self.RECIPE.payload(self.ctx, self.params)
 
     def project(self, points: list[np.ndarray]) -> list[np.ndarray]:
         if self.how.space == "embedding":
@@ -155,10 +139,6 @@ class FLT(Strategy):
         return fcr.umap_project(
             points, u["n_components"], u["n_neighbors"], u["min_dist"], u["metric"], seed=self.ctx.seed
         )
-
-    def threshold(self, points: list[np.ndarray]) -> fcr.Relatedness:
-        """The pipeline for these points (PCA+kM+HC fills a scale-free gamma here)."""
-        return self.how
 
     def relate(self, clients, tag: str = "", fresh=None) -> dict:
         """Steps 3-4 of FCR over `clients` that have centroids. With `fresh` (the clients
@@ -169,7 +149,8 @@ class FLT(Strategy):
         tic = time.perf_counter()
         clients = np.array(sorted(c for c in np.asarray(clients).tolist() if c in self.centroids))
         points = self.project([self.centroids[c] for c in clients])
-        how = self.threshold(points)
+        how = self.RECIPE.threshold(self.how, points, self.params, self.ctx.device)
+        self.gamma_used = how.gamma
         classes = [self.centroid_classes[c] for c in clients] if self.centroid_classes else None
         found = fcr.relate(
             points, how, self.params["clusters"], self.params["max_clusters"], self.ctx.device, classes=classes
@@ -505,6 +486,7 @@ class FLT(Strategy):
             "fcr_reports": self.fcr_reports,
             "found_clusters": self.labels.tolist(),
             "reclusterings": recl,
+            "gamma": self.gamma_used,
         }
         if self.fcr_reports and "emulated_s" in self.fcr_reports[0]:  # with device profiles
             out["fcr_emulated_s"] = self.fcr_reports[0]["emulated_s"]
