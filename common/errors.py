@@ -26,14 +26,14 @@ class DeviceError(FltError):
     exit_code = 3
 
 
-def short(value, limit: int = ECHO_CHARS) -> str:
+def short(value: object, limit: int = ECHO_CHARS) -> str:
     """repr(value), cut to `limit` characters without building the whole repr of a huge
     container (an alias bomb's repr would take gigabytes)."""
     text = _bounded_repr(value, limit + 1)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _bounded_repr(value, budget: int) -> str:
+def _bounded_repr(value: object, budget: int) -> str:
     """A repr of at most about `budget` characters: containers are walked item by item
     and the walk stops as soon as the budget is spent."""
     if isinstance(value, (list, tuple, dict, set)):

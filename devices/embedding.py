@@ -10,6 +10,8 @@ Only the k x e centroids leave the device.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Literal
+
 import numpy as np
 import torch
 from sklearn.cluster import KMeans
@@ -20,7 +22,10 @@ from flt.devices.trainer import CohortTrainer, TrainConfig, _pad
 from flt.models.autoencoder import ConvAE, onnx_embed, onnx_session
 from flt.models.flat import param_spec
 
-_SESSIONS: dict[int, object] = {}
+if TYPE_CHECKING:
+    from onnxruntime import InferenceSession
+
+_SESSIONS: dict[int, InferenceSession] = {}
 
 
 def embed_onnx(onnx_bytes: np.ndarray, xs: list[torch.Tensor]) -> list[np.ndarray]:
@@ -88,7 +93,7 @@ def _finetune_and_embed(ae, spec, cfg, init, xs, gens, chunk) -> list[np.ndarray
     return [z[i, : int(n)].numpy() for i, n in enumerate(lengths)]
 
 
-def centroids(emb: np.ndarray, k, seed: int, k_max: int = 10) -> np.ndarray:
+def centroids(emb: np.ndarray, k: int | Literal["auto"], seed: int, k_max: int = 10) -> np.ndarray:
     """k-means centroids of one client's embeddings (seeded).
 
     k = "auto" picks k in 2..k_max by silhouette score of the client's own embeddings
@@ -112,12 +117,12 @@ def label_means(emb: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.hstack([means, classes[:, None]]).astype(np.float32)
 
 
-def _auto_k(emb, seed, k_max):
+def _auto_k(emb: np.ndarray, seed: int, k_max: int) -> int:
     if k_max < 2:
         return 1
-    scores = {}
+    scores: dict[int, float] = {}
     for k in range(2, k_max + 1):
         labels = KMeans(n_clusters=k, n_init=4, random_state=seed).fit_predict(emb)
         if len(set(labels)) > 1:
             scores[k] = silhouette_score(emb, labels, random_state=seed)
-    return max(scores, key=scores.get) if scores else 1
+    return max(scores, key=scores.__getitem__) if scores else 1

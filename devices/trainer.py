@@ -17,13 +17,30 @@ cohort it shares: reruns with another number of device processes give the same b
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
 from flt.models.flat import ParamSpec, unflatten
+
+# (params, anchor, x, y, w, noise) -> (loss, loss detached): one client's loss, `grad`-able in params
+_LossFn = Callable[
+    [
+        dict[str, torch.Tensor],
+        dict[str, torch.Tensor],
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        dict[str, torch.Tensor],
+    ],
+    tuple[torch.Tensor, torch.Tensor],
+]
+# (x, y, w, noise) -> each client's loss [B]: one SGD step of the whole cohort, in place
+_StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -47,7 +64,9 @@ def _pad(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lengths
 
 
-def epoch_batches(lengths: torch.Tensor, batch_size: int, gens: list[torch.Generator]):
+def epoch_batches(
+    lengths: torch.Tensor, batch_size: int, gens: Sequence[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-client shuffled sample order for one epoch, cut into steps; client i's order
     is drawn from gens[i] alone.
 
@@ -64,7 +83,7 @@ def epoch_batches(lengths: torch.Tensor, batch_size: int, gens: list[torch.Gener
     return order.view(b, steps, batch_size), weight.view(b, steps, batch_size)
 
 
-def _generators(gens, b: int) -> list[torch.Generator]:
+def _generators(gens: torch.Generator | Sequence[torch.Generator], b: int) -> list[torch.Generator]:
     """One generator per client; a single shared one (benchmarks) is drawn in client order."""
     return [gens] * b if isinstance(gens, torch.Generator) else list(gens)
 
@@ -74,12 +93,14 @@ class SeededDropout(torch.nn.Module):
     from each client's own generator, instead of the global generator that vmap shares
     across the cohort."""
 
+    noise: torch.Tensor  # the buffer registered below
+
     def __init__(self, p: float):
         super().__init__()
         self.p = p
         self.register_buffer("noise", torch.zeros(0), persistent=False)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
         return x * (self.noise >= self.p).to(x.dtype) / (1.0 - self.p)
@@ -96,7 +117,7 @@ def _seed_dropouts(model: torch.nn.Module) -> list[str]:
     return names
 
 
-def _sample_loss(out, x, y, kind):
+def _sample_loss(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "ce":
         return F.cross_entropy(out, y, reduction="none")
     return ((out - x) ** 2).flatten(1).mean(1)
@@ -124,7 +145,7 @@ class CohortTrainer:
         self._noise_shapes: dict[str, tuple] | None = None
 
     def _epoch_noise(
-        self, lengths: torch.Tensor, steps: int, batch_size: int, gens, sample: torch.Tensor
+        self, lengths: torch.Tensor, steps: int, batch_size: int, gens: Sequence[torch.Generator], sample: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         """Uniform noise [B, S, batch, *features] for every dropout layer, client i's
         drawn from gens[i] (its padding steps get zeros and never train)."""
@@ -157,19 +178,31 @@ class CohortTrainer:
 
     # -- training -------------------------------------------------------------------
     def train(
-        self, start: torch.Tensor, xs: list[torch.Tensor], ys: list[torch.Tensor], cfg: TrainConfig, gens
+        self,
+        start: torch.Tensor,
+        xs: list[torch.Tensor],
+        ys: list[torch.Tensor],
+        cfg: TrainConfig,
+        gens: torch.Generator | Sequence[torch.Generator],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Train B clients from start [B, P]; return (trained [B, P], mean loss [B]).
         `gens`: one torch.Generator per client (its batch order and dropout)."""
-        gens = _generators(gens, len(xs))
+        per_client = _generators(gens, len(xs))
         if use_vmap(cfg.vectorize, self.model, start.device):
-            return self._train_vmap(start, xs, ys, cfg, gens)
-        return self._train_loop(start, xs, ys, cfg, gens)
+            return self._train_vmap(start, xs, ys, cfg, per_client)
+        return self._train_loop(start, xs, ys, cfg, per_client)
 
-    def _loss_fn(self, cfg: TrainConfig):
+    def _loss_fn(self, cfg: TrainConfig) -> _LossFn:
         model, kind, mu = self.model, cfg.loss, cfg.prox_mu
 
-        def loss(params, anchor, x, y, w, noise):
+        def loss(
+            params: dict[str, torch.Tensor],
+            anchor: dict[str, torch.Tensor],
+            x: torch.Tensor,
+            y: torch.Tensor,
+            w: torch.Tensor,
+            noise: dict[str, torch.Tensor],
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             per_sample = _sample_loss(functional_call(model, {**params, **noise}, (x,)), x, y, kind)
             active = w.sum()
             value = (per_sample * w).sum() / active.clamp(min=1.0)
@@ -180,7 +213,14 @@ class CohortTrainer:
 
         return loss
 
-    def _train_vmap(self, start, xs, ys, cfg, gens):
+    def _train_vmap(
+        self,
+        start: torch.Tensor,
+        xs: list[torch.Tensor],
+        ys: list[torch.Tensor],
+        cfg: TrainConfig,
+        gens: list[torch.Generator],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         flat = start.clone().float()
         params, anchor = unflatten(flat, self.spec), unflatten(start.float(), self.spec)
         if start.device.type == "cpu" and _StackSGD.fits(self.model, cfg):
@@ -192,14 +232,21 @@ class CohortTrainer:
         grads_of = vmap(grad(self._loss_fn(cfg), has_aux=True), randomness="error")
         opt = _StackedOptimizer(flat, cfg)
 
-        def step(x, y, w, noise):
+        def step(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, noise: dict[str, torch.Tensor]) -> torch.Tensor:
             grads, loss = grads_of(params, anchor, x, y, w, noise)
             opt.step(grads, params, w.sum(1) > 0)
             return loss
 
         return flat, self._cohort_sgd(xs, ys, cfg, gens, step)
 
-    def _cohort_sgd(self, xs, ys, cfg, gens, step) -> torch.Tensor:
+    def _cohort_sgd(
+        self,
+        xs: list[torch.Tensor],
+        ys: list[torch.Tensor],
+        cfg: TrainConfig,
+        gens: list[torch.Generator],
+        step: _StepFn,
+    ) -> torch.Tensor:
         """Every SGD step of the cohort, `step(x [B, b, ...], y [B, b], w [B, b], noise)`
         training all clients in place; returns each client's mean loss [B]. Batches and
         dropout noise are drawn on the CPU from each client's generator (a GPU run draws the
@@ -222,7 +269,14 @@ class CohortTrainer:
                 count += active
         return total / count.clamp(min=1)
 
-    def _train_loop(self, start, xs, ys, cfg, gens):
+    def _train_loop(
+        self,
+        start: torch.Tensor,
+        xs: list[torch.Tensor],
+        ys: list[torch.Tensor],
+        cfg: TrainConfig,
+        gens: list[torch.Generator],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference: one client at a time, torch.optim, same batches and dropout masks
         as the vmap path."""
         out, losses = start.clone().float(), torch.zeros(len(xs))
@@ -237,7 +291,8 @@ class CohortTrainer:
             params = {k: v.clone().requires_grad_(True) for k, v in unflatten(start[i].float(), self.spec).items()}
             anchor = {k: v.detach().clone() for k, v in params.items()}
             opt = (torch.optim.SGD if cfg.optimizer == "sgd" else torch.optim.Adam)(params.values(), lr=cfg.lr)
-            seen, acc = 0, 0.0
+            seen = 0
+            acc: torch.Tensor | float = 0.0  # a tensor after the first step
             for order, weight, noise in orders:
                 for s in range(order.shape[1]):
                     n = int(weight[i, s].sum())
@@ -262,7 +317,9 @@ class CohortTrainer:
 
     # -- evaluation -----------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, stacked: torch.Tensor, xs, ys, chunk: int = 256):
+    def evaluate(
+        self, stacked: torch.Tensor, xs: list[torch.Tensor], ys: list[torch.Tensor], chunk: int = 256
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-client (correct, total, mean loss) of model b on client b's data."""
         self.model.eval()
         xpad, lengths = _pad(xs)
@@ -284,7 +341,7 @@ class CohortTrainer:
         return correct.cpu(), lengths.float(), loss.cpu() / lengths.clamp(min=1)
 
     @torch.no_grad()
-    def losses_of(self, candidates: torch.Tensor, xs, ys) -> torch.Tensor:
+    def losses_of(self, candidates: torch.Tensor, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> torch.Tensor:
         """Loss of each of K candidate models on each client's data: [B, K] (IFCA)."""
         b = len(xs)
         cols = [self.evaluate(candidates[k].expand(b, -1), xs, ys)[2] for k in range(len(candidates))]
@@ -305,7 +362,7 @@ class _StackSGD:
     LAYERS = (torch.nn.Flatten, torch.nn.Linear, torch.nn.ReLU, SeededDropout)
 
     @classmethod
-    def fits(cls, model: torch.nn.Module, cfg: TrainConfig) -> bool:
+    def fits(cls, model: torch.nn.Module, cfg: TrainConfig) -> TypeGuard[torch.nn.Sequential]:
         return (
             isinstance(model, torch.nn.Sequential)
             and all(type(m) in cls.LAYERS for m in model)
@@ -315,7 +372,13 @@ class _StackSGD:
             and cfg.optimizer == "sgd"
         )
 
-    def __init__(self, model: torch.nn.Sequential, params: dict, anchor: dict, cfg: TrainConfig):
+    def __init__(
+        self,
+        model: torch.nn.Sequential,
+        params: dict[str, torch.Tensor],
+        anchor: dict[str, torch.Tensor],
+        cfg: TrainConfig,
+    ):
         self.layers = list(model.named_children())
         # params: views of the cohort's stacked models, updated in place; anchor: where they started
         self.params, self.anchor, self.cfg = params, anchor, cfg
@@ -323,7 +386,7 @@ class _StackSGD:
         self.first_linear = next(i for i, (_, m) in enumerate(self.layers) if isinstance(m, torch.nn.Linear))
 
     @torch.no_grad()
-    def step(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, noise: dict) -> torch.Tensor:
+    def step(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, noise: dict[str, torch.Tensor]) -> torch.Tensor:
         """Train on batch x [B, b, ...], labels y [B, b], sample weights w [B, b] (0 for
         padding); returns each client's loss [B] before the step."""
         p, h = self.params, x
@@ -355,6 +418,7 @@ class _StackSGD:
         for i, (name, layer) in reversed(list(enumerate(self.layers))):
             if isinstance(layer, torch.nn.Linear):
                 saved_in = saved.pop()
+                assert saved_in is not None  # a Linear saved its input, never None
                 weight = p[f"{name}.weight"]
                 grad_in = torch.bmm(grad, weight) if i > self.first_linear else None  # before the weight moves
                 weight.baddbmm_(grad.transpose(1, 2), saved_in, alpha=-self.cfg.lr)
@@ -370,7 +434,7 @@ class _StackSGD:
             self.params[k].sub_(g, alpha=self.cfg.lr)
         return loss + prox_value
 
-    def _proximal(self, active: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def _proximal(self, active: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """FedProx: (mu/2)||w - w_global||^2 on the clients this step trains, and its
         gradient mu (w - w_global), from the weights before the step (applied after it)."""
         mu = self.cfg.prox_mu
@@ -396,7 +460,7 @@ class _StackedOptimizer:
             self.v: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
-    def step(self, grads: dict, params: dict, active: torch.Tensor):
+    def step(self, grads: dict[str, torch.Tensor], params: dict[str, torch.Tensor], active: torch.Tensor) -> None:
         """`active` [B]: clients with a real sample in this step. A padding step has zero
         gradient, which leaves SGD unchanged, but Adam must skip it outright."""
         lr = self.cfg.lr

@@ -19,8 +19,27 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import ArrayLike
+
+if TYPE_CHECKING:
+    from typing_extensions import NotRequired, TypedDict, Unpack
+
+    from flt.emulator.profiles.windows import Profiles
+
+    class TaskLoad(TypedDict):
+        """task_times' keywords, as task_seconds passes them on."""
+
+        batch_size: ArrayLike
+        steps: ArrayLike
+        bytes_down: ArrayLike
+        bytes_up: ArrayLike
+        forward_samples: NotRequired[ArrayLike]
+        measured_compute_s: NotRequired[ArrayLike | None]
+        reference_ms_per_sample: NotRequired[ArrayLike | None]
+
 
 __all__ = [
     "AUGMENTATION_FACTOR",
@@ -38,7 +57,9 @@ __all__ = [
 AUGMENTATION_FACTOR = 3.0  # FedScale: backward pass ~2x forward
 
 
-def compute_seconds(ms_per_sample, batch_size, steps, *, factor: float = AUGMENTATION_FACTOR) -> np.ndarray:
+def compute_seconds(
+    ms_per_sample: ArrayLike, batch_size: ArrayLike, steps: ArrayLike, *, factor: float = AUGMENTATION_FACTOR
+) -> np.ndarray:
     """FedScale's local-training time: ``factor * batch * steps * ms_per_sample / 1000``.
 
     All arguments broadcast (per-client ``steps`` for clients with different data sizes).
@@ -49,7 +70,7 @@ def compute_seconds(ms_per_sample, batch_size, steps, *, factor: float = AUGMENT
     )
 
 
-def transfer_seconds(n_bytes, bps, latency_s=0.0) -> np.ndarray:
+def transfer_seconds(n_bytes: ArrayLike, bps: ArrayLike, latency_s: ArrayLike = 0.0) -> np.ndarray:
     """Time to move ``n_bytes`` at ``bps`` **bytes**/s plus one-way latency.
 
     A transfer of 0 bytes is no message at all and takes 0 s (no latency).
@@ -80,16 +101,16 @@ class TaskTimes:
 
 
 def task_times(
-    profiles,
-    clients,
+    profiles: Profiles,
+    clients: ArrayLike,
     *,
-    batch_size,
-    steps,
-    bytes_down,
-    bytes_up,
-    forward_samples=0,
-    measured_compute_s=None,
-    reference_ms_per_sample=None,
+    batch_size: ArrayLike,
+    steps: ArrayLike,
+    bytes_down: ArrayLike,
+    bytes_up: ArrayLike,
+    forward_samples: ArrayLike = 0,
+    measured_compute_s: ArrayLike | None = None,
+    reference_ms_per_sample: ArrayLike | None = None,
 ) -> TaskTimes:
     """Download + local work + upload for each of ``clients`` (see task_seconds).
 
@@ -126,7 +147,7 @@ def task_times(
     return TaskTimes(np.asarray(down, np.float64), np.asarray(comp, np.float64), np.asarray(up, np.float64))
 
 
-def task_seconds(profiles, clients, **times) -> np.ndarray:
+def task_seconds(profiles: Profiles, clients: ArrayLike, **times: Unpack[TaskLoad]) -> np.ndarray:
     """Seconds each client needs for a round: download + compute + upload.
 
     Takes task_times' keywords (``batch_size``, ``steps``, ``bytes_down``, ``bytes_up``,
@@ -154,7 +175,15 @@ class RoundOutcome:
     duration_s: float
 
 
-def close_round(clients, durations, *, start_s, deadline_s=None, keep=None, online_until=None) -> RoundOutcome:
+def close_round(
+    clients: ArrayLike,
+    durations: ArrayLike,
+    *,
+    start_s: float,
+    deadline_s: float | None = None,
+    keep: int | None = None,
+    online_until: ArrayLike | None = None,
+) -> RoundOutcome:
     """Decide who counts in a synchronous round and how long it lasted.
 
     ``clients`` [n] ids, ``durations`` [n] task seconds, ``online_until`` [n] absolute
@@ -206,7 +235,7 @@ def close_round(clients, durations, *, start_s, deadline_s=None, keep=None, onli
 
     if keep is not None and kept.size == keep:
         end = finish[kept[-1]]
-    elif late.any():
+    elif deadline_s is not None and late.any():  # only a deadline makes anyone late
         end = start + deadline_s
     elif kept.size:
         end = finish[kept[-1]]
@@ -230,21 +259,21 @@ class EmulatedClock:
 
     now_s: float = 0.0
 
-    def advance(self, seconds) -> float:
+    def advance(self, seconds: float) -> float:
         s = float(seconds)
         if math.isnan(s) or s < 0:
             raise ValueError(f"EmulatedClock.advance: seconds must be >= 0, got {seconds!r}")
         self.now_s += s
         return self.now_s
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"now_s": self.now_s}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.now_s = float(state["now_s"])
 
 
-def overcommit_count(target, factor) -> int:
+def overcommit_count(target: int, factor: float) -> int:
     """Clients to sample for ``target`` results with over-commitment ``factor`` (>= 1).
 
     ``ceil(target * factor)``, with the product rounded to 9 decimals first so that

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from flt.common.schema import ConfigError
 from flt.emulator.clock import EmulatedClock, close_round, overcommit_count, task_seconds
@@ -166,7 +167,13 @@ class Population:
         return default_s
 
     def price(
-        self, kind: str, clients, bytes_down, bytes_up, forward_samples=0, trained_samples=0
+        self,
+        kind: str,
+        clients: ArrayLike,
+        bytes_down: ArrayLike,
+        bytes_up: ArrayLike,
+        forward_samples: ArrayLike = 0,
+        trained_samples: ArrayLike = 0,
     ) -> tuple[np.ndarray, dict]:
         """Put one exchange on the emulated clock: every answering client downloads, works
         (inference passes and trained samples, FedScale's arithmetic) and uploads.
@@ -200,16 +207,17 @@ class Population:
             bytes_down=bytes_down,
             bytes_up=bytes_up,
         )
-        cut = (
-            {
-                "deadline_s": self.deadline_s,
-                "keep": self.target if self.overcommit > 1.0 else None,
-                "online_until": self.profiles.online_until(ids, self.clock.now_s),
-            }
-            if rounds
-            else {}
-        )
-        outcome = close_round(ids, durations, start_s=self.clock.now_s, **cut)
+        if rounds:
+            outcome = close_round(
+                ids,
+                durations,
+                start_s=self.clock.now_s,
+                deadline_s=self.deadline_s,
+                keep=self.target if self.overcommit > 1.0 else None,
+                online_until=self.profiles.online_until(ids, self.clock.now_s),
+            )
+        else:
+            outcome = close_round(ids, durations, start_s=self.clock.now_s)
         self.clock.advance(outcome.duration_s)
         return outcome.kept, {
             "duration_s": outcome.duration_s,

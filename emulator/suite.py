@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -97,7 +98,7 @@ def state(entry: Entry) -> str:
     return "interrupted" if all((folder / name).is_file() for name in RUN_FILES) else "new"
 
 
-def first_difference(a, b, path: str = "") -> str | None:
+def first_difference(a: object, b: object, path: str = "") -> str | None:
     """The first field where two resolved configs differ, named by its path."""
     if isinstance(a, dict) and isinstance(b, dict):
         for key in list(dict.fromkeys([*a, *b])):
@@ -121,7 +122,7 @@ class SuiteDisplay(Display):
     """The terminal, plus where the suite stands: [i/n scenario] on every line, and on
     round lines the share of all rounds done and the time left at the current pace."""
 
-    def __init__(self, entries: list[Entry], **kw):
+    def __init__(self, entries: list[Entry], **kw: Any):
         super().__init__(**kw)
         self.entries, self.total = entries, sum(e.rounds for e in entries)
         self.index, self.rounds_so_far = 0, 0
@@ -131,7 +132,9 @@ class SuiteDisplay(Display):
         self.index, self.rounds_so_far = index, done_before
         self.started, self.ran = time.monotonic(), 0
 
-    def step(self, i: int, n: int, line: str, unit: str = "step", every=None, force: bool = False) -> None:
+    def step(
+        self, i: int, n: int, line: str, unit: str = "step", every: int | None = None, force: bool = False
+    ) -> None:
         if unit == "round":
             self.rounds_so_far, self.ran = self.rounds_so_far + 1, self.ran + 1
         super().step(i, n, line, unit, every, force)

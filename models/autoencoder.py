@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import io
 import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # onnxruntime is imported where a session is built, not with the model
+    from onnxruntime import InferenceSession
 
 
 class ConvAE(nn.Module):
@@ -106,7 +110,7 @@ def _check_self_contained(data: bytes) -> None:
     onnx.checker.check_model(model)
 
 
-def onnx_session(onnx_bytes: bytes, intra_op_num_threads: int = 1):
+def onnx_session(onnx_bytes: bytes, intra_op_num_threads: int = 1) -> InferenceSession:
     """CPU onnxruntime session for the exported encoder (1 thread: many emulated clients share a host)."""
     import onnxruntime as ort
 
@@ -116,7 +120,7 @@ def onnx_session(onnx_bytes: bytes, intra_op_num_threads: int = 1):
     return ort.InferenceSession(onnx_bytes, sess_options=opts, providers=["CPUExecutionProvider"])
 
 
-def onnx_embed(session, x: np.ndarray, batch: int = 1024) -> np.ndarray:
+def onnx_embed(session: InferenceSession, x: np.ndarray, batch: int = 1024) -> np.ndarray:
     """Embed ``x`` float32 ``[N, C, H, W]`` in chunks of ``batch`` -> ``[N, latent]``."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     in_name = session.get_inputs()[0].name

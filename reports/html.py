@@ -289,7 +289,7 @@ def plain_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 
 def markdown(head: list[str], body: list[list[str]]) -> str:
-    def line(cells):
+    def line(cells: list[str]) -> str:
         return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
     return "\n".join([line(head), line(["---"] * len(head)), *map(line, body)])
@@ -457,7 +457,7 @@ def build(paths: list[Path], out: Path) -> Path:
     return page
 
 
-def markdown_page(runs: list[Run], rows, fcr, changes, events) -> str:
+def markdown_page(runs: list[Run], rows: list[dict], fcr: list[dict], changes: list[dict], events: list[dict]) -> str:
     parts = [
         "# flt report",
         "",

@@ -7,10 +7,37 @@ import math
 import shlex
 import sys
 from pathlib import Path
+from typing import Any, Protocol, overload
 
 import numpy as np
 
 COMMAND: list[str] | None = None  # the flt command's arguments, set by the command line
+
+
+# What a summary reads of a method and of the server's transport (server/strategies/base.py
+# Strategy, server/transport.py Transport), described here: reports import only common/.
+class MethodReport(Protocol):
+    def expected_bytes(self, selections: int, model_bytes: int) -> dict | None: ...
+
+    def summary(self) -> dict: ...
+
+
+class _Rejections(Protocol):
+    def summary(self) -> dict: ...
+
+
+class _Ledger(Protocol):
+    @property
+    def rejections(self) -> _Rejections: ...
+
+    def totals(self, since_round: int | None = None) -> dict: ...
+
+
+class TrafficReport(Protocol):
+    @property
+    def ledger(self) -> _Ledger: ...
+
+    def lost_clients(self) -> np.ndarray: ...
 
 
 def command_line() -> str:
@@ -18,7 +45,9 @@ def command_line() -> str:
     return shlex.join(["flt", *COMMAND] if COMMAND is not None else sys.argv)
 
 
-def method_summary(spec: dict, history: list[dict], strategy, transport, model_bytes: int, cfg: dict) -> dict:
+def method_summary(
+    spec: dict, history: list[dict], strategy: MethodReport, transport: TrafficReport, model_bytes: int, cfg: dict
+) -> dict:
     evals = [r for r in history if "acc_mean" in r]
     last = evals[-1] if evals else {}
     best = max(evals, key=lambda r: r["acc_mean"]) if evals else {}
@@ -264,15 +293,28 @@ WALL_CLOCK_KEYS = frozenset({"train_s", "eval_s", "wall_s", "setup_s", "s_per_ro
 WALL_CLOCK_SUFFIXES = ("seconds", "cached", "cache")
 
 
-def is_wall_clock(key) -> bool:
+def is_wall_clock(key: object) -> bool:
     return isinstance(key, str) and (key in WALL_CLOCK_KEYS or key.endswith(WALL_CLOCK_SUFFIXES))
 
 
-def split_timing(obj):
+@overload
+def split_timing(obj: dict) -> tuple[dict, dict | None]: ...
+
+
+@overload
+def split_timing(obj: list) -> tuple[list, list[dict] | None]: ...
+
+
+@overload
+def split_timing(obj: object) -> tuple[Any, Any]: ...
+
+
+def split_timing(obj: object) -> tuple[Any, Any]:
     """(obj without wall-clock keys at any depth, those values in the same nesting or
     None). Lists keep their positions: events[i]'s seconds are timing['events'][i]."""
     if isinstance(obj, dict):
-        clean, timing = {}, {}
+        clean: dict = {}
+        timing: dict = {}
         for k, v in obj.items():
             if is_wall_clock(k):
                 timing[k] = v
@@ -283,8 +325,8 @@ def split_timing(obj):
         return clean, timing or None
     if isinstance(obj, list):
         parts = [split_timing(v) for v in obj]
-        timing = [t or {} for _, t in parts]
-        return [c for c, _ in parts], timing if any(timing) else None
+        positions = [t or {} for _, t in parts]
+        return [c for c, _ in parts], positions if any(positions) else None
     return obj, None
 
 

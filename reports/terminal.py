@@ -11,12 +11,15 @@ from __future__ import annotations
 import shutil
 import sys
 import time
+from collections.abc import Callable
+from typing import TextIO
 
 BAR_WIDTH = 20
+Progress = Callable[[str], object]  # what takes progress lines: `print`, a Display, a list's append
 _ACTIVE: Display | None = None  # the terminal's Display, for code that is not handed one
 
 
-def active():
+def active() -> Progress:
     """The Display the command line installed, else `print`."""
     return _ACTIVE or print
 
@@ -41,7 +44,7 @@ def duration(seconds: float) -> str:
 
 
 def step(
-    progress, i: int, n: int, line: str, unit: str = "step", every: int | None = None, force: bool = False
+    progress: Progress, i: int, n: int, line: str, unit: str = "step", every: int | None = None, force: bool = False
 ) -> None:
     """Step `i` of `n` is done; `line` describes it. `force` prints it however often
     lines are thinned (e.g. a round with an arrival)."""
@@ -55,13 +58,13 @@ class Display:
     """The terminal. Calling it prints a permanent line; `step` draws a bar for the step
     under way (on a terminal) or prints a plain line every few steps (anywhere else)."""
 
-    def __init__(self, stream=None, tty: bool | None = None):
+    def __init__(self, stream: TextIO | None = None, tty: bool | None = None):
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
         self.status = ""  # the bar now on screen ("" = none)
         self._clock: dict[str, tuple[int, float]] = {}  # unit -> (first step, its start)
 
-    def __call__(self, text) -> None:
+    def __call__(self, text: object) -> None:
         self._erase()
         self.stream.write(f"{text}\n")
         self._draw(self.status)

@@ -49,8 +49,10 @@ import pickle
 import tarfile
 import warnings
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -162,7 +164,9 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     return arr.astype(dtype.newbyteorder("="), copy=True)  # native order, writable
 
 
-def _find_or_download(find, tv_name: str, root: Path, train: bool, download: bool):
+def _find_or_download(
+    find: Callable[[], list[Path] | None], tv_name: str, root: Path, train: bool, download: bool
+) -> list[Path] | None:
     """Local files first; torchvision's downloader only when asked (and online)."""
     found = find()
     if found is None and download:
@@ -228,9 +232,9 @@ def _load_mnist_like(name: str, root: Path | None, train: bool, download: bool) 
     # Dataset-specific folders first: MNIST and Fashion-MNIST share their file names.
     dirs = [root / tv_name / "raw", *(root / n for n in flat_names), root]
 
-    def find():
-        found = [_find_file(dirs, f) for f in files]
-        return found if all(found) else None
+    def find() -> list[Path] | None:
+        found = [p for p in (_find_file(dirs, f) for f in files) if p is not None]
+        return found if len(found) == len(files) else None
 
     found = _find_or_download(find, tv_name, root, train, download)
     if found is None:
@@ -243,7 +247,7 @@ def _load_mnist_like(name: str, root: Path | None, train: bool, download: bool) 
     return _idx_dataset(name, x, y, 10, found)
 
 
-def _idx_dataset(name, x, y, num_classes, files) -> Dataset:
+def _idx_dataset(name: str, x: np.ndarray, y: np.ndarray, num_classes: int, files: list[Path]) -> Dataset:
     if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
         raise DataError(f"dataset '{name}': {files[0]} / {files[1]} shapes {x.shape} / {y.shape} do not match")
     return Dataset(
@@ -267,9 +271,9 @@ def _load_emnist(split: str, root: Path | None, train: bool, download: bool) -> 
     # torchvision unpacks its gzip.zip into EMNIST/raw (older versions left EMNIST/raw/gzip).
     dirs = [root, root / "EMNIST" / "raw", root / "EMNIST" / "raw" / "gzip", root / "emnist", root / "gzip"]
 
-    def find():
-        found = [_find_file(dirs, f) for f in files]
-        return found if all(found) else None
+    def find() -> list[Path] | None:
+        found = [p for p in (_find_file(dirs, f) for f in files) if p is not None]
+        return found if len(found) == len(files) else None
 
     found = find()
     if found is None and download:
@@ -315,7 +319,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         ("_codecs", "encode"),  # how protocol 2 spells a bytes object under Python 3
     }
 
-    def find_class(self, module: str, name: str):
+    def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self._ALLOWED:
             raise pickle.UnpicklingError(f"forbidden global in pickle: {module}.{name}")
         if module.startswith("numpy.core."):
@@ -357,7 +361,7 @@ def _load_cifar(name: str, root: Path | None, train: bool, download: bool) -> Da
     files = tr_files if train else te_files
     dirs = [root / folder, root]
 
-    def find():
+    def find() -> list[Path] | None:
         for d in dirs:
             if all((d / f).is_file() for f in files):
                 return [d / f for f in files]

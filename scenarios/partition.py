@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from flt.common.errors import FltError
 from flt.common.files import save_npz_atomic
@@ -183,7 +184,7 @@ def cluster_classes(
 # ----------------------------------------------------------------------------- shared machinery
 
 
-def _labels(y: np.ndarray, what: str) -> np.ndarray:
+def _labels(y: ArrayLike | None, what: str) -> np.ndarray:
     y = np.asarray(y)
     if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
         raise PartitionError(f"{what} labels must be a 1-D integer array (got {y.dtype} {y.shape})")
@@ -201,7 +202,7 @@ def _num_classes(y_train: np.ndarray, y_test: np.ndarray, num_classes: int | Non
     return int(num_classes)
 
 
-def _exclude_mask(exclude, n: int) -> np.ndarray:
+def _exclude_mask(exclude: ArrayLike | None, n: int) -> np.ndarray:
     mask = np.zeros(n, dtype=bool)
     if exclude is None:
         return mask
@@ -352,8 +353,8 @@ def _cluster_of(n_clients: int, n_clusters: int) -> np.ndarray:
 
 
 def partition_clusters(
-    y_train,
-    y_test,
+    y_train: ArrayLike,
+    y_test: ArrayLike,
     *,
     n_clients: int,
     n_clusters: int,
@@ -363,7 +364,7 @@ def partition_clusters(
     test_per_client: int,
     rng: np.random.Generator,
     on_short: str = "take",
-    exclude=None,
+    exclude: ArrayLike | None = None,
     num_classes: int | None = None,
 ) -> Partition:
     """Clustered label skew (paper's S1 and S2).
@@ -407,15 +408,15 @@ def partition_clusters(
 
 
 def partition_dirichlet(
-    y_train,
-    y_test,
+    y_train: ArrayLike,
+    y_test: ArrayLike,
     *,
     n_clients: int,
     alpha: float,
     samples_per_client: int,
     test_per_client: int,
     rng: np.random.Generator,
-    exclude=None,
+    exclude: ArrayLike | None = None,
     num_classes: int | None = None,
 ) -> Partition:
     """Classic label skew: client m's class mix p_m ~ Dirichlet(alpha * 1).
@@ -470,14 +471,14 @@ def partition_dirichlet(
 
 
 def partition_iid(
-    y_train,
-    y_test,
+    y_train: ArrayLike,
+    y_test: ArrayLike,
     *,
     n_clients: int,
     samples_per_client: int,
     test_per_client: int,
     rng: np.random.Generator,
-    exclude=None,
+    exclude: ArrayLike | None = None,
     num_classes: int | None = None,
     groups: np.ndarray | None = None,
 ) -> Partition:
@@ -545,8 +546,8 @@ def _skew_sizes(n: int, total: int, alpha: float, delta: float) -> tuple[np.ndar
 
 
 def partition_structured(
-    y_train,
-    y_test,
+    y_train: ArrayLike,
+    y_test: ArrayLike,
     *,
     n_clients: int,
     n_clusters: int,
@@ -555,7 +556,7 @@ def partition_structured(
     delta: float,
     test_per_client: int,
     rng: np.random.Generator,
-    exclude=None,
+    exclude: ArrayLike | None = None,
     num_classes: int | None = None,
 ) -> Partition:
     """Structured non-IID (paper's S4): clustered classes plus quantity skew.
@@ -625,13 +626,20 @@ def partition_structured(
 # ----------------------------------------------------------------------------- S3
 
 
-def partition_groups(groups_train, groups_test, *, n_clients: int | None = None, rng: np.random.Generator) -> Partition:
+def partition_groups(
+    groups_train: ArrayLike | None,
+    groups_test: ArrayLike | None,
+    *,
+    n_clients: int | None = None,
+    rng: np.random.Generator,
+) -> Partition:
     """Natural clients (S3, FEMNIST writers): each group with training samples is one
     client holding all its train and test samples.
 
     With ``n_clients``, a seeded random subset of that many groups is kept (the first
     ``n_clients`` of ``rng.permutation``); clients are then ordered by group id, and
-    ``Partition.groups`` records each client's group. ``cluster`` is -1.
+    ``Partition.groups`` records each client's group. ``cluster`` is -1. Groups of None
+    (a dataset without writers) are a PartitionError.
     """
     g_tr = _labels(groups_train, "train group")
     g_te = _labels(groups_test, "test group")

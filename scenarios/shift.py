@@ -27,8 +27,13 @@ the same noisy images in every round and on every device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+from numpy.typing import ArrayLike
+
+if TYPE_CHECKING:  # torch is imported only on the device side, inside the functions that use it
+    import torch
 
 KINDS = ("rotate", "invert", "noise", "blur", "labels")
 
@@ -119,7 +124,7 @@ class ShiftPlan:
     def meta(self) -> dict:
         return {"kind": self.kind, "seed": self.seed}
 
-    def tensors(self, clients) -> dict:
+    def tensors(self, clients: ArrayLike) -> dict[str, np.ndarray]:
         """Per-client levels (and label maps) for the devices hosting `clients`."""
         clients = np.asarray(clients, dtype=np.int64)
         out = {"shift_level": self.level[clients]}
@@ -137,7 +142,7 @@ class ClientShift:
     seed: int  # the client's own noise stream
     perm: np.ndarray | None = None
 
-    def images(self, x, split: int = 0):
+    def images(self, x: torch.Tensor, split: int = 0) -> torch.Tensor:
         """x: float32 [n, C, H, W] in [0, 1], transformed in place where possible."""
         import torch
 
@@ -153,7 +158,7 @@ class ClientShift:
             return blur(x, self.level)
         return x
 
-    def labels(self, y):
+    def labels(self, y: torch.Tensor) -> torch.Tensor:
         """y: int64 labels; the client's label map applied (identity for image kinds)."""
         import torch
 
@@ -162,7 +167,7 @@ class ClientShift:
         return torch.as_tensor(self.perm, dtype=y.dtype, device=y.device)[y]
 
 
-def rotate(x, degrees: float):
+def rotate(x: torch.Tensor, degrees: float) -> torch.Tensor:
     """Counter-clockwise rotation of [n, C, H, W] images about their centre: exact for
     multiples of 90 (torch.rot90), else bilinear with black corners (torch's grid_sample;
     torchvision's transforms would be imported into every device process for this)."""
@@ -182,7 +187,7 @@ def rotate(x, degrees: float):
     return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
 
-def blur(x, sigma: float):
+def blur(x: torch.Tensor, sigma: float) -> torch.Tensor:
     """Gaussian blur of [n, C, H, W] images, sigma in pixels: one separable kernel of
     2 * ceil(3 sigma) + 1 taps (at most the image's size), reflected at the borders."""
     import torch
@@ -198,7 +203,7 @@ def blur(x, sigma: float):
     return F.conv2d(x, g.view(1, 1, -1, 1).expand(c, 1, -1, 1), groups=c)  # along columns
 
 
-def client_shifts(meta: dict | None, tensors: dict, clients) -> dict[int, ClientShift]:
+def client_shifts(meta: dict | None, tensors: dict, clients: ArrayLike) -> dict[int, ClientShift]:
     """Rebuild each client's ClientShift from an assign or drift message."""
     if not meta:
         return {}

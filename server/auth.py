@@ -24,6 +24,7 @@ import re
 import secrets
 import threading
 from collections import Counter
+from collections.abc import Container
 from pathlib import Path
 
 import zmq
@@ -184,7 +185,7 @@ class Gate:
         self.allowed[public] = name
         return {keys.ENV_SECRET: secret.decode(), keys.ENV_SERVER: self.public.decode()}
 
-    def admit(self, meta: dict, user_id: str | None, taken) -> str:
+    def admit(self, meta: dict, user_id: str | None, taken: Container[str]) -> str:
         """The name a hello's connection gets, or Refused. With CURVE the name is the one the
         allowlist gives the connection's key; `taken` holds the names already connected."""
         try:
@@ -245,7 +246,7 @@ class _Authenticator(ThreadAuthenticator):
         return self.gate.allowed[z85.encode(client_public_key)]
 
 
-def _rate_limited(count: int, fmt: str, *args) -> None:
+def _rate_limited(count: int, fmt: str, *args: object) -> None:
     """Log the first few of a kind, then every 100th: a flood must not flood the log."""
     if count <= 5 or count % 100 == 0:
         log.warning(fmt + " [%d so far]", *args, count)

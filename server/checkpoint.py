@@ -23,6 +23,8 @@ import torch
 from flt.common.files import save_npz_atomic
 
 PROJECT = "flt"  # checkpoints name only classes of this package
+# what `pack` makes and `unpack` reads: a JSON document (tagged objects are dicts)
+Json = None | bool | int | float | str | list["Json"] | dict[str, "Json"]
 _STATE = "__state__"
 
 
@@ -42,7 +44,7 @@ def load(path: Path, device: torch.device | str = "cpu") -> dict:
     return unpack(json.loads(arrays.pop(_STATE).tobytes()), arrays, torch.device(device))
 
 
-def pack(value, arrays: dict, where: str):
+def pack(value: object, arrays: dict[str, np.ndarray], where: str) -> Json:
     """JSON-able form of `value`; arrays and tensors go into `arrays`."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -77,7 +79,7 @@ def pack(value, arrays: dict, where: str):
     )
 
 
-def _store(arrays: dict, arr: np.ndarray) -> str:
+def _store(arrays: dict[str, np.ndarray], arr: np.ndarray) -> str:
     if arr.dtype.hasobject:
         raise CheckpointError("object arrays cannot be checkpointed")
     key = f"a{len(arrays)}"
@@ -85,11 +87,12 @@ def _store(arrays: dict, arr: np.ndarray) -> str:
     return key
 
 
-def unpack(node, arrays: dict, device: torch.device):
+def unpack(node: Json, arrays: dict[str, np.ndarray], device: torch.device) -> Any:
     if node is None or isinstance(node, (bool, int, float, str)):
         return node
     if isinstance(node, list):
         return [unpack(v, arrays, device) for v in node]
+    body: Any  # what a tag holds depends on the tag: an array's key, a list, a class name
     (tag, body), *rest = node.items()
     if tag == "$tuple":
         return tuple(unpack(v, arrays, device) for v in body)
@@ -136,7 +139,7 @@ def _project_class(name: str) -> type[Any]:
     return obj
 
 
-def restore_vars(obj, state: dict) -> None:
+def restore_vars(obj: object, state: dict[str, Any]) -> None:
     """Put saved attributes back on a live object. A dict attribute is refilled in place,
     so a defaultdict keeps its default factory; so is a nested object of the same class
     (frozen dataclasses included: the saved values are the object's own)."""

@@ -21,7 +21,7 @@ import torch
 from flt.common.files import cache_dir
 from flt.common.schema import ConfigError
 from flt.models.autoencoder import ConvAE
-from flt.reports.terminal import active, step
+from flt.reports.terminal import Progress, active, step
 from flt.scenarios.datasets import load_dataset
 
 
@@ -86,7 +86,7 @@ def cache_key(images: np.ndarray, settings: dict) -> str:
 
 
 def pretrained_autoencoder(
-    images: np.ndarray, settings: dict, device: torch.device, progress=None
+    images: np.ndarray, settings: dict, device: torch.device, progress: Progress | None = None
 ) -> tuple[ConvAE, dict]:
     """Load from cache or pretrain; returns the model (eval mode, CPU) and a report."""
     key = cache_key(images, settings)
@@ -110,7 +110,7 @@ def pretrained_autoencoder(
     return ae.eval(), {"cache": str(path), "cached": False, "seconds": time.perf_counter() - tic, "final_mse": loss}
 
 
-def pretrain(ae: ConvAE, images: np.ndarray, s: dict, device: torch.device, progress=None) -> float:
+def pretrain(ae: ConvAE, images: np.ndarray, s: dict, device: torch.device, progress: Progress | None = None) -> float:
     progress = progress or active()  # the terminal's bar when the CLI drew one
     torch.manual_seed(s["seed"])
     gen = torch.Generator().manual_seed(s["seed"])

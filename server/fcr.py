@@ -36,6 +36,7 @@ counted. Everything is vectorized (torch.cdist in row chunks): 2,400 clients tak
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -60,7 +61,12 @@ class Clustering:
 
 
 def umap_project(
-    centroids: list[np.ndarray], n_components=2, n_neighbors=15, min_dist=0.1, metric="euclidean", seed=0
+    centroids: list[np.ndarray],
+    n_components: int = 2,
+    n_neighbors: int = 15,
+    min_dist: float = 0.1,
+    metric: str = "euclidean",
+    seed: int = 0,
 ) -> list[np.ndarray]:
     """Seeded UMAP over all clients' centroids together; returns each client's points."""
     import umap  # imported here: numba compilation is paid only by pipelines that use it
@@ -174,7 +180,7 @@ def cluster_graph(labels: np.ndarray) -> np.ndarray:
 def relate(
     points: list[np.ndarray],
     how: Relatedness,
-    n_clusters="auto",
+    n_clusters: int | Literal["auto"] = "auto",
     max_clusters: int = 20,
     device: torch.device | None = None,
     classes: list[np.ndarray] | None = None,

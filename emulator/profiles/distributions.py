@@ -34,6 +34,7 @@ defaults, a realistic phone mix::
 from __future__ import annotations
 
 import numbers
+from typing import Any
 
 import numpy as np
 
@@ -41,7 +42,7 @@ from flt.common.errors import short
 from flt.emulator.profiles.units import MBPS_TO_BYTES, ProfileError, check_number
 from flt.emulator.profiles.windows import Profiles
 
-DEFAULT_SPEC = {
+DEFAULT_SPEC: dict[str, Any] = {  # a `profiles:` mapping as a scenario file spells it
     "compute": {"dist": "lognormal", "median_ms_per_sample": 20.0, "sigma": 0.5},
     "network": [
         {"share": 0.5, "up_mbps": 5.0, "down_mbps": 20.0},

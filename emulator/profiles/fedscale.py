@@ -21,6 +21,7 @@ import numbers
 import os
 import pickle
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from flt.emulator.profiles.windows import Profiles
 class _NoGlobalsUnpickler(pickle.Unpickler):
     """Unpickler that refuses every global: only builtin containers/scalars come out."""
 
-    def find_class(self, module, name):
+    def find_class(self, module: str, name: str) -> NoReturn:
         raise pickle.UnpicklingError(f"forbidden global {module}.{name}")
 
 

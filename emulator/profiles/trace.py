@@ -93,7 +93,7 @@ def _assemble_rows(path, rows, period):
     """rows: list of (client_id, where, ms, up_kbps, down_kbps, lat_ms, [(a, b), ...])."""
     ids = np.array([r[0] for r in rows], dtype=np.int64)
     m = len(rows)
-    seen = {}
+    seen: dict[int, str] = {}  # client id -> where it was first seen
     for r in rows:
         if r[0] in seen:
             raise ProfileError(f"{r[1]}: duplicate client id {r[0]} (first at {seen[r[0]]})")

@@ -20,7 +20,7 @@ class ProfileError(FltError, ValueError):
 
 
 def check_number(
-    value, where: str, *, positive: bool = True, allow_zero: bool = False, upper: float | None = None
+    value: object, where: str, *, positive: bool = True, allow_zero: bool = False, upper: float | None = None
 ) -> float:
     """`value` as a float if it is a finite real (not a bool) in range; else a ProfileError at `where`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
