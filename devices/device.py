@@ -386,7 +386,7 @@ def set_process_title(title: str) -> None:
     setproctitle.setproctitle(title)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(

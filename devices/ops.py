@@ -124,7 +124,9 @@ def resident_model(device: Device, msg: Message) -> torch.Tensor:
     return device.resident[c]
 
 
-def candidate_losses(device: Device, candidates: list[torch.Tensor], xs, ys) -> list[torch.Tensor]:
+def candidate_losses(
+    device: Device, candidates: list[torch.Tensor], xs: list[torch.Tensor], ys: list[torch.Tensor]
+) -> list[torch.Tensor]:
     """Each client's loss [K] under each of its candidate models, on its own training data;
     one vectorized pass when the whole cohort got the same candidates (IFCA's case)."""
     first = candidates[0]

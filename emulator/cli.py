@@ -11,7 +11,7 @@ from flt.common.errors import FltError
 from flt.common.heap import limit_heap_retention
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="flt", description="Federated-learning edge emulator for non-IID data (FLT and baselines)."
     )
@@ -238,7 +238,7 @@ def _resume(args) -> None:
     run_scenario(config.load(str(run_dir / "config.yaml"), []), str(run_dir), resume=True, progress=active())
 
 
-def guarded(action) -> int:
+def guarded(action: Callable[[], object]) -> int:
     """Run a command. The project's own errors (input mistakes, devices that failed) print
     one line and exit with their code; anything else is a bug and keeps its traceback."""
     try:

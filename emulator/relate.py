@@ -28,6 +28,7 @@ from flt.emulator.run import (
 from flt.emulator.session import Session, check_device_ops
 from flt.reports import summary as report
 from flt.reports.figures import scatter
+from flt.reports.terminal import Progress
 from flt.reports.writer import write_artifacts
 from flt.server import fcr
 from flt.server.strategies import STRATEGIES
@@ -58,7 +59,7 @@ def _defaults(cls) -> dict:
 
 
 def relate_scenario(
-    cfg: dict, out: str | None = None, method: str | None = None, progress=print, umap: bool = True
+    cfg: dict, out: str | None = None, method: str | None = None, progress: Progress = print, umap: bool = True
 ) -> tuple[Path, dict]:
     """Run FCR once over every client of the scenario; returns the run folder and the report."""
     spec = pick_method(cfg, method)

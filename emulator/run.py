@@ -18,11 +18,13 @@ import torch
 from flt.common.wire import Message, encode, frame_bytes
 from flt.emulator import processes
 from flt.emulator.config import dump, load_encoder_sources
-from flt.emulator.population import Population, assign_profiles, schedule_from
+from flt.emulator.population import Population, Schedule, assign_profiles, schedule_from
+from flt.emulator.profiles import Profiles
 from flt.emulator.session import Session, assign_clients, check_device_ops, data_root
 from flt.models.flat import flatten
 from flt.models.nets import build_model
 from flt.reports import summary as report
+from flt.reports.terminal import Progress
 from flt.scenarios import partition as part
 from flt.scenarios import shift
 from flt.scenarios.datasets import Dataset, load_shared
@@ -30,7 +32,7 @@ from flt.server import checkpoint
 from flt.server.federation import CHECKPOINT, Federation, run_method
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context
-from flt.server.transport import Ledger, Transport
+from flt.server.transport import Transport
 
 
 def make_run_dir(cfg: dict, out: str | None) -> Path:
@@ -200,11 +202,8 @@ class Dynamics:
         for m in last.values():
             m.meta["notice"] = 1
         t = self.transport
-        billed, t.ledger = t.ledger, Ledger()
-        try:
+        with t.unbilled() as billed:
             replies = t.gather(last, "notice", self.cfg["devices"]["round_timeout_s"], own=True)
-        finally:
-            t.ledger = billed
         noticed = sorted(c for c, r in replies.items() if r.meta.get("flag") == 1)
         size = frame_bytes(encode(Message("notice", rnd, 0, meta={"flag": 1})))  # not the batch id's digits
         for c in noticed:
@@ -250,7 +249,7 @@ class Dynamics:
         self.method += 1
 
 
-def run_scenario(cfg: dict, out: str | None = None, progress=print, resume: bool = False) -> Path:
+def run_scenario(cfg: dict, out: str | None = None, progress: Progress = print, resume: bool = False) -> Path:
     """Run `cfg` into a new run folder, or (`resume`) continue the killed run in folder
     `out`: finished methods are kept, the interrupted one continues after its last
     checkpointed round, on the folder's own partition."""
@@ -323,7 +322,9 @@ def run_scenario(cfg: dict, out: str | None = None, progress=print, resume: bool
     return run_dir
 
 
-def make_population(cfg: dict, ctx: Context, schedule, profiles, dynamics: Dynamics) -> Population:
+def make_population(
+    cfg: dict, ctx: Context, schedule: Schedule, profiles: Profiles | None, dynamics: Dynamics
+) -> Population:
     pop = cfg["population"]
     return Population(
         ctx.n_clients,
@@ -351,7 +352,7 @@ def run_one(
     population: Population,
     cfg: dict,
     run_dir: Path,
-    progress,
+    progress: Progress,
     summary: dict,
     resume: bool = False,
 ) -> None:

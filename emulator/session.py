@@ -16,6 +16,7 @@ from flt.common.errors import DeviceError, short
 from flt.common.schema import ConfigError
 from flt.common.wire import Message
 from flt.emulator.fleet import make_fleet
+from flt.reports.terminal import Progress
 from flt.scenarios import partition as part
 from flt.server.auth import gate_for
 from flt.server.encoder import image_source
@@ -49,7 +50,7 @@ class Session:
         self.devices: list[str] = []
         self.meta: dict = {}
 
-    def start(self, partition: part.Partition, model_spec: dict, clients: np.ndarray, progress) -> list[str]:
+    def start(self, partition: part.Partition, model_spec: dict, clients: np.ndarray, progress: Progress) -> list[str]:
         """Start the devices, wait for them (and for external ones), give them `clients`."""
         d = self.cfg["devices"]
         self.fleet.start(self.n_proc)
@@ -185,7 +186,7 @@ def _await_ready(transport: Transport, expected: dict[str, list[int]], timeout_s
     return failed
 
 
-def wait_external(transport: Transport, local: list[str], n: int, timeout_s: float, progress) -> list[str]:
+def wait_external(transport: Transport, local: list[str], n: int, timeout_s: float, progress: Progress) -> list[str]:
     """Devices started by hand (`flt device --connect ...`), possibly on other hosts."""
     if n == 0:
         return []

@@ -26,14 +26,16 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import Callable, Collection
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from flt.common.wire import Message
 from flt.reports.summary import split_timing
-from flt.reports.terminal import step
+from flt.reports.terminal import Progress, step
 from flt.reports.writer import write_artifacts
 from flt.server import checkpoint
 from flt.server.checkpoint import restore_vars
@@ -41,9 +43,30 @@ from flt.server.exchange import Call, Exchange, ExchangeClock, Reply
 from flt.server.ops import EMBED, EVALUATE, SNAPSHOT, DeviceOp
 from flt.server.replies import ShardSizes, state_check
 from flt.server.strategies.base import Result, Strategy, Task
-from flt.server.transport import Ledger, Transport
+from flt.server.transport import Transport
 
 log = logging.getLogger("flt.server")
+
+
+class PopulationView(ExchangeClock, Protocol):
+    """What the round loop asks of the population it runs on (emulator/population.py
+    implements it): who is there, who is selected, what changed, how late devices answer."""
+
+    def candidates(self, rnd: int) -> np.ndarray: ...
+
+    def newcomers(self) -> np.ndarray: ...
+
+    def before_round(self, rnd: int) -> list[dict]: ...
+
+    def select(self, rnd: int, candidates: np.ndarray) -> np.ndarray: ...
+
+    def delays(self, rnd: int, tasks: dict) -> dict[int, float] | None: ...
+
+    def timeout(self, default_s: float) -> float: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict, upto: int) -> None: ...
 
 
 class Federation:
@@ -219,8 +242,7 @@ class Federation:
         every header, so its digits count), lost devices, and what devices hold per client."""
         t = self.transport
         clients = self._device_state(rnd)
-        batch = next(t.batches)
-        t.batches = itertools.count(batch)  # peeked, not consumed
+        batch = t.next_batch()
         return {
             "ledger": t.ledger,
             "batch": batch,
@@ -256,12 +278,9 @@ class Federation:
         like any reply and listed as `missing`: the checkpoint is written without its
         state (a broken or hostile device must not stop the run), and resume says so."""
         t, clients = self.transport, self._hosted()
-        billed, t.ledger = t.ledger, Ledger()
-        try:
+        with t.unbilled():
             msgs = {c: SNAPSHOT.message(rnd, c, {}, {}) for c in clients}
             replies = t.gather(msgs, "state", self.timeout_s, check=state_check(self.model_size), own=True)
-        finally:
-            t.ledger = billed
         missing = sorted(set(clients) - set(replies) - set(t.lost_clients().tolist()))
         if missing:
             log.error(
@@ -281,8 +300,7 @@ class Federation:
         """Every hosted client gets its checkpointed state back (a flag that replayed drift
         raised but a later re-embedding cleared is cleared again); not billed either."""
         t, flags, watched = self.transport, set(state["flags"]), set(state.get("watched", ()))
-        billed, t.ledger = t.ledger, Ledger()
-        try:
+        with t.unbilled():
             for c in self._hosted():
                 model = state["models"].get(c)
                 t.send(
@@ -294,11 +312,9 @@ class Federation:
                         tensors={} if model is None else {"model": model},
                     ),
                 )
-        finally:
-            t.ledger = billed
 
 
-def accuracy_stats(metrics: dict[int, dict], newcomers=()) -> dict:
+def accuracy_stats(metrics: dict[int, dict], newcomers: Collection[int] = ()) -> dict:
     """Mean per-client test accuracy (%), its standard error, variance across clients.
 
     A client with no test sample has no accuracy: it is left out of the mean and counted
@@ -327,12 +343,12 @@ def accuracy_stats(metrics: dict[int, dict], newcomers=()) -> dict:
 def run_method(
     strategy: Strategy,
     fed: Federation,
-    population,
+    population: PopulationView,
     rounds: int,
     eval_every: int,
     out_dir: Path,
-    progress=print,
-    on_round=None,
+    progress: Progress = print,
+    on_round: Callable[[list[dict]], None] | None = None,
     resume: bool = False,
 ) -> list[dict]:
     """Setup, then T rounds of select / train / aggregate / evaluate. Each round's record
@@ -388,7 +404,7 @@ def run_method(
                 e_tic = time.perf_counter()
                 present = np.setdiff1d(population.candidates(rnd), transport.lost_clients())
                 models, rows = strategy.eval_models(present)
-                newcomers = population.newcomers() if hasattr(population, "newcomers") else ()
+                newcomers = population.newcomers()
                 record.update(accuracy_stats(fed.evaluate(rnd, present, models, rows), newcomers))
                 timing["eval_s"] = time.perf_counter() - e_tic
             timing.update(wall_s=time.perf_counter() - tic, setup_s=setup_s)
@@ -427,14 +443,16 @@ class CheckpointPacer:
     def due(self, final: bool = False) -> bool:
         return final or (self.clock() - self.since) * self.share >= self.cost
 
-    def save(self, write, *args) -> None:
+    def save(self, write: Callable[..., None], *args: object) -> None:
         tic = self.clock()
         write(*args)
         self.since = self.clock()
         self.cost = self.since - tic
 
 
-def save_checkpoint(out_dir: Path, rnd: int, setup_s: float, strategy: Strategy, fed: Federation, population) -> None:
+def save_checkpoint(
+    out_dir: Path, rnd: int, setup_s: float, strategy: Strategy, fed: Federation, population: PopulationView
+) -> None:
     checkpoint.save(
         out_dir / CHECKPOINT,
         {
@@ -448,7 +466,7 @@ def save_checkpoint(out_dir: Path, rnd: int, setup_s: float, strategy: Strategy,
 
 
 def resume_method(
-    out_dir: Path, strategy: Strategy, fed: Federation, population, progress=print
+    out_dir: Path, strategy: Strategy, fed: Federation, population: PopulationView, progress: Progress = print
 ) -> tuple[int, list, float]:
     """Put everything back as it was after the checkpoint's round: arrivals and drift
     replayed on the processes, device-held state, the ledger, the strategy. A record

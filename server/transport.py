@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import cast
 
 import numpy as np
@@ -383,6 +383,23 @@ class Transport:
         self.names.pop(self.routes.pop(device, b""), None)
         for c in [c for c, d in self.client_device.items() if d == device]:
             del self.client_device[c]
+
+    @contextlib.contextmanager
+    def unbilled(self) -> Iterator[Ledger]:
+        """Exchanges of the emulator's own (checkpoint snapshots, drift delivery) count in
+        a ledger of their own, never the method's; yields the method's, which stays in
+        force again afterwards."""
+        billed, self.ledger = self.ledger, Ledger()
+        try:
+            yield billed
+        finally:
+            self.ledger = billed
+
+    def next_batch(self) -> int:
+        """The batch id the method's next exchange will take (peeked, not consumed)."""
+        batch = next(self.batches)
+        self.batches = itertools.count(batch)
+        return batch
 
     def lost_clients(self) -> np.ndarray:
         return np.array(sorted(c for c, d in self.client_device.items() if d in self.lost_devices), dtype=np.int64)

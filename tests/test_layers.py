@@ -124,3 +124,34 @@ def test_layers_import_only_what_lies_beneath(layer):
         if n.split(".")[1] not in ALLOWED[layer] | {layer}
     )
     assert not wrong, wrong
+
+
+def _unannotated(path: Path, root: Path = REPO) -> list[str]:
+    """Public functions of `path` with a parameter (self and cls aside) or a return left unannotated."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or node.name.startswith("_"):
+            continue
+        a = node.args
+        params = [p for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg not in ("self", "cls")]
+        params += [p for p in (a.vararg, a.kwarg) if p is not None]
+        if node.returns is None or any(p.annotation is None for p in params):
+            out.append(f"{path.relative_to(root)}:{node.lineno} {node.name}")
+    return out
+
+
+def test_unannotated_functions_are_found(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "def typed(x: int, *a: int, **k: str) -> int: ...\n"
+        "def _private(x): ...\n"
+        "def no_return(x: int): ...\n"
+        "class C:\n    def method(self, y) -> None: ...\n"
+    )
+    assert [f.rsplit(" ", 1)[1] for f in _unannotated(sample, tmp_path)] == ["no_return", "method"]
+
+
+def test_every_public_function_is_typed():
+    """mypy checks every body (check_untyped_defs); a public function's signature says what it takes."""
+    missing = [f for path in sorted(_modules().values()) for f in _unannotated(path)]
+    assert not missing, missing

@@ -9,12 +9,17 @@ the reply ("result") carries the index in meta "choice" and the K losses as tens
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from flt.common.wire import Message
 from flt.devices.ops import candidate_losses, register, sent_models, shard_data
 
+if TYPE_CHECKING:
+    from flt.devices.device import Device
+
 
 @register("choose")
-def choose(device, batch: list[Message]) -> list[Message]:
+def choose(device: Device, batch: list[Message]) -> list[Message]:
     xs, ys = shard_data(device, batch)
     losses = candidate_losses(device, sent_models(batch), xs, ys)
     return [

@@ -10,14 +10,19 @@ alone, for a method that assigns clients without training them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from flt.common.wire import Message
 from flt.devices.ops import candidate_losses, register, sent_models, shard_data, train_from
 
+if TYPE_CHECKING:
+    from flt.devices.device import Device
+
 
 @register("train_best")
-def train_best(device, batch: list[Message]) -> list[Message]:
+def train_best(device: Device, batch: list[Message]) -> list[Message]:
     candidates = sent_models(batch)
     choice = [int(loss.argmin()) for loss in candidate_losses(device, candidates, *shard_data(device, batch))]
     start = torch.stack([c[k] for c, k in zip(candidates, choice, strict=True)])

@@ -11,14 +11,19 @@ count, loss, steps and change flag.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from flt.common.wire import Message
 from flt.devices.ops import register, resident_model, train_from
 
+if TYPE_CHECKING:
+    from flt.devices.device import Device
+
 
 @register("train_resident")
-def train_resident(device, batch: list[Message]) -> list[Message]:
+def train_resident(device: Device, batch: list[Message]) -> list[Message]:
     start = torch.stack([resident_model(device, m) for m in batch])
     trained, metas = train_from(device, batch, start)
     replies = []

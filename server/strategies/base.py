@@ -11,7 +11,7 @@ What it found that is worth a file (FCR's adjacency, its plots) it `emit`s as an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -228,7 +228,7 @@ def cluster_average(
     return out
 
 
-def one_hot(labels, clusters: int, like: torch.Tensor) -> torch.Tensor:
+def one_hot(labels: np.ndarray | list[int], clusters: int, like: torch.Tensor) -> torch.Tensor:
     """Hard responsibilities [C, B]: 1 where client b belongs to cluster labels[b]."""
     idx = torch.as_tensor(labels, device=like.device)
     r = torch.zeros(clusters, len(idx), dtype=like.dtype, device=like.device)
@@ -236,7 +236,7 @@ def one_hot(labels, clusters: int, like: torch.Tensor) -> torch.Tensor:
     return r
 
 
-def stack(results: dict[int, Result], clients) -> tuple[torch.Tensor, torch.Tensor]:
+def stack(results: dict[int, Result], clients: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """Models [n, P] and sample counts [n] of `clients`, in that order."""
     rows = [m for m in (results[c].model for c in clients) if m is not None]
     if len(rows) != len(clients):  # a device-resident model (Local) never reaches the server

@@ -186,7 +186,7 @@ class CFL(Strategy):
                 rs = self.splits[later]["returned_sizes"]
                 self.labels[c] = new if rs[1] > rs[0] else kept
 
-    def eval_models(self, clients):
+    def eval_models(self, clients: np.ndarray) -> tuple[torch.Tensor | None, np.ndarray]:
         return self.models.cpu(), self.labels[np.asarray(clients, dtype=np.int64)].copy()
 
     def summary(self) -> dict:

@@ -9,6 +9,7 @@ w_{t+1} = sum_k (n_k / n) w_{t+1}^k over the clients that returned.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from flt.server.strategies.base import Result, Strategy, Task, stack, weighted_average
 
@@ -29,7 +30,7 @@ class FedAvg(Strategy):
             models, n = stack(results, sorted(results))
             self.global_model = weighted_average(models, n)
 
-    def eval_models(self, clients):
+    def eval_models(self, clients: np.ndarray) -> tuple[torch.Tensor | None, np.ndarray]:
         return self.global_model.cpu()[None], np.zeros(len(clients), dtype=np.int64)
 
     def expected_bytes(self, selections: int, model_bytes: int) -> dict:

@@ -89,7 +89,8 @@ class FedSEM(Strategy):
 
     def default_centre(self) -> int:
         """The centre nearest to the sample-weighted average of the centres."""
-        mass = np.bincount(self.assign[self.assign >= 0], weights=self.ctx.n_train[self.assign >= 0], minlength=self.k)
+        known = self.assign >= 0
+        mass = np.bincount(self.assign[known], weights=self.ctx.n_train[known], minlength=self.k).astype(np.float64)
         if mass.sum() == 0:
             mass = np.ones(self.k)
         centres = self.placed()
@@ -136,7 +137,7 @@ class FedSEM(Strategy):
         """The paper's hard E-step: nearest centre in L2 parameter distance, one-hot [K, s]."""
         return one_hot(self.nearest(models), self.k, models)
 
-    def eval_models(self, clients):
+    def eval_models(self, clients: np.ndarray) -> tuple[torch.Tensor | None, np.ndarray]:
         clients = np.asarray(clients, dtype=np.int64)
         if self.centres is None:
             return self.global_model.cpu()[None], np.zeros(len(clients), dtype=np.int64)

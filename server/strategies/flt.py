@@ -110,7 +110,7 @@ class FLT(Reclustering):
         self.fcr_reports.append(report)
         self.timeline.append((0, self.labels.copy()))
 
-    def embed(self, fed: FederationView, clients, rnd: int, purpose: str = "fcr") -> Exchange:
+    def embed(self, fed: FederationView, clients: np.ndarray, rnd: int, purpose: str = "fcr") -> Exchange:
         """Send the encoder to `clients`, keep the k x e centroids they send back; a client
         that re-embedded has no outstanding flag any more. Returns the exchange (who
         answered, its bytes and emulated seconds), reported as `purpose`."""
@@ -140,7 +140,7 @@ class FLT(Reclustering):
             points, u["n_components"], u["n_neighbors"], u["min_dist"], u["metric"], seed=self.ctx.seed
         )
 
-    def relate(self, clients, tag: str = "", fresh=None) -> dict:
+    def relate(self, clients: np.ndarray, tag: str = "", fresh: np.ndarray | None = None) -> dict:
         """Steps 3-4 of FCR over `clients` that have centroids. With `fresh` (the clients
         whose centroids are new since the last clustering) and disjoint clusters, the old
         clusters are kept or the re-run taken (server/placement.py), ids and models
@@ -252,17 +252,19 @@ class FLT(Reclustering):
             return int(client)
         return int(self.labels[client])
 
-    def train_tasks(self, rnd, selected):
+    def train_tasks(self, rnd: int, selected: np.ndarray) -> dict[int, Task]:
         stray = [c for c in np.asarray(selected).tolist() if self.labels[c] < 0 and c in self.centroids]
         if stray:  # an embedding that came late: place it now rather than train it on nothing
             self._place_nearest(stray)
         host = self.models.cpu()
         rows = {int(c): self.row(c) for c in selected}
         # the global model is an M x P product in Case I: only for a round that needs it
-        fallback = self._global_model().cpu() if min(rows.values(), default=0) < 0 else None
+        if min(rows.values(), default=0) >= 0:
+            return {c: Task(host[r][None]) for c, r in rows.items()}
+        fallback = self._global_model().cpu()
         return {c: Task((host[r] if r >= 0 else fallback)[None]) for c, r in rows.items()}
 
-    def aggregate(self, rnd, results: dict[int, Result]) -> None:
+    def aggregate(self, rnd: int, results: dict[int, Result]) -> None:
         # a client with no cluster trained the global model: it must not overwrite a cluster's;
         # a client whose data moved (flag outstanding) must not pull its old cluster along
         results = {c: r for c, r in results.items() if self.row(c) >= 0 and c not in self.flag_round}
@@ -297,7 +299,7 @@ class FLT(Reclustering):
         new[touched] = (weights[:, touched] / mass[touched]).T @ models
         self.models = new
 
-    def eval_models(self, clients):
+    def eval_models(self, clients: np.ndarray) -> tuple[torch.Tensor | None, np.ndarray]:
         """Cluster (or personal) models, plus the global model as the last row for clients
         without a cluster."""
         rows = np.array([self.row(c) for c in clients], dtype=np.int64)
@@ -321,7 +323,7 @@ class FLT(Reclustering):
             out["recluster_emulated_s"] = sum(r.get("emulated_s", 0.0) for r in recl)
         return out
 
-    def expected_bytes(self, selections, model_bytes):
+    def expected_bytes(self, selections: int, model_bytes: int) -> dict:
         # M*W_enc counts one encoder per client; re-clustering sends it again to re-embedders
         latent = self.fcr_reports[0]["latent"] if self.fcr_reports else 0
         return {

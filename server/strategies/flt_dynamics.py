@@ -205,7 +205,7 @@ class Reclustering(Strategy):
         rounds, labels = zip(*self.timeline, strict=True)
         return {"rounds": np.array(rounds, dtype=np.int64), "labels": np.stack(labels)}
 
-    def observe(self, rnd, results: dict[int, Result]) -> None:
+    def observe(self, rnd: int, results: dict[int, Result]) -> None:
         for c, r in results.items():
             if r.meta.get("flag"):
                 self.flag_round.setdefault(c, rnd)

@@ -145,7 +145,7 @@ class IFCA(Strategy):
         """Clients whose latest choice is each cluster."""
         return np.bincount(self.choice[self.choice >= 0], minlength=self.c)
 
-    def eval_models(self, clients):
+    def eval_models(self, clients: np.ndarray) -> tuple[torch.Tensor | None, np.ndarray]:
         clients = np.asarray(clients, dtype=np.int64)
         if self.models is None:
             return self.global_model.cpu()[None], np.zeros(len(clients), dtype=np.int64)

@@ -15,6 +15,7 @@ as well (`eval_models` returns models None).
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from flt.server.ops import EVALUATE, TRAIN_RESIDENT
 from flt.server.strategies.base import Result, Strategy, Task
@@ -44,7 +45,7 @@ class Local(Strategy):
         for c in results:  # nothing to average: only bookkeeping
             self.trained[c] += 1
 
-    def eval_models(self, clients):
+    def eval_models(self, clients: np.ndarray) -> tuple[torch.Tensor | None, np.ndarray]:
         return None, np.zeros(len(clients), dtype=np.int64)
 
     def summary(self) -> dict:

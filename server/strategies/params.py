@@ -82,13 +82,13 @@ UMAP = {
 }
 
 
-def positive_or_auto(value) -> str | None:
+def positive_or_auto(value: object) -> str | None:
     if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return None
     return "a positive integer or 'auto'"
 
 
-def centroid_count(value) -> str | None:
+def centroid_count(value: object) -> str | None:
     return None if value == "labels" else positive_or_auto(value) and "a positive integer, 'auto' or 'labels'"
 
 
