@@ -74,7 +74,7 @@ def relate_scenario(
     m = partition.n_clients
     check_device_ops({**cfg, "methods": [spec]})
     # the run's own set-up (emulator/session.py), with this machine's devices only
-    session = Session(cfg, run_dir, init, m, external=False, crash=False)
+    session = Session(cfg, run_dir, init, model_spec, m, external=False, crash=False)
     transport = session.transport
     tic = time.perf_counter()
     try:

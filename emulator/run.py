@@ -279,7 +279,7 @@ def run_scenario(cfg: dict, out: str | None = None, progress: Progress = print, 
     for note in partition.notes:
         progress(f"partition: {note}")
     init, model_spec = initial_weights(cfg, train)
-    session = Session(cfg, run_dir, init, partition.n_clients)
+    session = Session(cfg, run_dir, init, model_spec, partition.n_clients)
     transport, fleet = session.transport, session.fleet
     summary = (
         report.finished_methods(run_dir, cfg)

@@ -31,7 +31,14 @@ class Session:
     devices this machine starts (`flt relate`); `crash` False: no injected device crash."""
 
     def __init__(
-        self, cfg: dict, run_dir: Path, init: torch.Tensor, n_clients: int, external: bool = True, crash: bool = True
+        self,
+        cfg: dict,
+        run_dir: Path,
+        init: torch.Tensor,
+        model_spec: dict,
+        n_clients: int,
+        external: bool = True,
+        crash: bool = True,
     ):
         d = cfg["devices"]
         self.cfg, self.external = cfg, d["external"] if external else 0
@@ -42,13 +49,14 @@ class Session:
         self.transport = Transport(
             d["bind"],
             gate_for(d["bind"], d["security"], d["keys"], self.external),
-            max_inbound=init.numel() * init.element_size(),
-        )  # devices upload one model at most
+            max_inbound=max_upload(cfg, init, model_spec),
+        )
         fleet_cfg = d if crash else {**d, "crash": {}}
         self.fleet = make_fleet(fleet_cfg, self.transport.endpoint, run_dir / "logs", enroll=self.transport.gate.enroll)
         self.transport.alive = self.fleet.alive
         self.devices: list[str] = []
         self.meta: dict = {}
+        self.model_spec = model_spec
 
     def start(self, partition: part.Partition, model_spec: dict, clients: np.ndarray, progress: Progress) -> list[str]:
         """Start the devices, wait for them (and for external ones), give them `clients`."""
@@ -75,6 +83,8 @@ class Session:
             truth=partition.cluster.copy(),
             train=cfg["train"],
             public_images=image_source(cfg["data"], public),
+            in_shape=tuple(self.model_spec["in_shape"]),
+            num_classes=int(self.model_spec["num_classes"]),
         )
         fed = Federation(
             self.transport,
@@ -90,6 +100,14 @@ class Session:
     def close(self) -> None:
         self.transport.close()
         self.fleet.stop()
+
+
+def max_upload(cfg: dict, init: torch.Tensor, model_spec: dict) -> int:
+    """The largest message a device may send: one model, or what a method's own device op
+    sends up when that is larger (PACFL's bases); anything larger is refused unread."""
+    shape, classes = tuple(model_spec["in_shape"]), int(model_spec["num_classes"])
+    ops = [STRATEGIES[m["name"]].max_upload(m["params"], shape, classes) for m in cfg["methods"]]
+    return max([init.numel() * init.element_size(), *ops])
 
 
 def check_device_ops(cfg: dict) -> None:

@@ -30,6 +30,7 @@ from flt.server.replies import (
     centroids_check,
     choose_check,
     metrics_check,
+    subspace_check,
     update_check,
 )
 
@@ -107,3 +108,5 @@ TRAIN_BEST = DeviceOp("train_best", "model", trained, _training(False))
 TRAIN_RESIDENT = DeviceOp("train_resident", "model", trained, _training(True), model_back=False)
 # which of K candidate models fits the client's own data best, without training
 CHOOSE = DeviceOp("choose", "model", forward, lambda sent, sizes: choose_check(sent, sizes))
+# PACFL's one-shot step: the top left singular vectors of each class's data matrix
+SUBSPACE = DeviceOp("subspace", "embedding", forward, subspace_check)

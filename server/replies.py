@@ -105,6 +105,28 @@ def choose_check(sent: dict[int, Message], sizes: ShardSizes | None) -> Check:
     return check
 
 
+def subspace_check(sent: dict[int, Message], sizes: ShardSizes | None) -> Check:
+    """`subspace`'s result (PACFL): the client's training-sample count and one float basis
+    [rows, d] of at most `basis` unit vectors per class, d the sent image size."""
+
+    def check(client: int, reply: Message):
+        n, expected_n = reply.meta.get("n"), sizes(client)[0] if sizes else None
+        if not _is_int(n) or n < 1 or (expected_n is not None and n != expected_n):
+            return "wrong sample count", f"n = {short(n, 24)}, its shard holds {expected_n}"
+        meta = sent[client].meta
+        basis, most = reply.tensors.get("basis"), meta["basis"] * MAX_CLASSES
+        dim = meta.get("dim")  # the image size, when the server knows it
+        if basis is None or basis.ndim != 2 or dim not in (None, basis.shape[1]) or len(reply.tensors) != 1:
+            return "bad basis", f"expected one float array [rows, {dim or 'd'}]"
+        if basis.dtype.kind != "f" or not 1 <= len(basis) <= most or not np.isfinite(basis).all():
+            return "bad basis", f"expected 1..{most} finite rows"
+        if not np.allclose(np.linalg.norm(basis, axis=1), 1.0, atol=1e-3):
+            return "bad basis", "rows are not unit vectors"
+        return None
+
+    return check
+
+
 MAX_CLASSES = 64  # label-conditioned centroids: at most one row per class (FEMNIST has 62)
 
 

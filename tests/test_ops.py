@@ -261,3 +261,28 @@ def test_a_method_declaring_an_op_no_device_has_is_refused_at_start_up(monkeypat
     monkeypatch.setattr(STRATEGIES["fedavg"], "DEVICE_OPS", (*STRATEGIES["fedavg"].DEVICE_OPS, DeviceOp("nosuch")))
     with pytest.raises(ConfigError, match=r"method 'mine' \(fedavg\) declares device op 'nosuch', which no device"):
         check_device_ops({"methods": methods})
+
+
+def test_subspace_sends_each_class_top_singular_vectors_and_is_checked(served_device):
+    """PACFL's client step over a real socket: p unit rows per class the client holds, the
+    right singular vectors of that class's images; a reply the server cannot use is refused."""
+    from flt.devices.methods.subspace import class_bases
+    from flt.server.ops import SUBSPACE
+
+    server, dev, _ = served_device
+    fed = _fed(server)
+    fed.shard_sizes = lambda c: (12, 4)
+    ex = fed.run(SUBSPACE, 0, {c: Call({}, {"basis": 2, "dim": 784}) for c in (4, 7)}, "pacfl")
+    assert sorted(ex.kept) == [4, 7] and ex.report["bytes"]["up"]["embedding"] > 0
+    for c, r in ex.results.items():
+        shard = dev.shards[c]
+        counts = torch.unique(shard.y, return_counts=True)[1]
+        basis = r.tensors["basis"]
+        assert basis.shape == (int(counts.clamp(max=2).sum()), 784)  # a class of one image has one direction
+        np.testing.assert_allclose(np.linalg.norm(basis, axis=1), 1.0, atol=1e-5)
+        np.testing.assert_allclose(basis, class_bases(shard.x, shard.y, 2).numpy(), atol=1e-6)
+        first = shard.x[shard.y == shard.y.min()].reshape(-1, 784).double()  # the lowest class's own SVD
+        top = torch.linalg.svd(first, full_matrices=False).Vh[0]
+        assert float((top @ torch.from_numpy(basis[0]).double()).abs()) == pytest.approx(1.0, abs=1e-5)
+    fed.shard_sizes = lambda c: (13, 4)  # a count the partition does not agree with: refused
+    assert fed.run(SUBSPACE, 0, {4: Call({}, {"basis": 2, "dim": 784})}).results == {}

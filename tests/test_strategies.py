@@ -12,7 +12,7 @@ from flt.common.schema import ConfigError, validate
 from flt.emulator.population import Population
 from flt.server import fcr
 from flt.server.encoder import image_source
-from flt.server.exchange import Exchange
+from flt.server.exchange import Exchange, Reply
 from flt.server.fcr_recipe import gamma_from_quantile, pca_basis
 from flt.server.ops import TRAIN, TRAIN_BEST, TRAIN_RESIDENT
 from flt.server.strategies import STRATEGIES
@@ -23,6 +23,7 @@ from flt.server.strategies.fedprox import FedProx
 from flt.server.strategies.fedsem import FedSEM
 from flt.server.strategies.ifca import IFCA
 from flt.server.strategies.local import Local
+from flt.server.strategies.pacfl import PACFL, hierarchical, smallest_angles
 from flt.server.strategies.params import METHODS
 from flt.server.strategies.pca_km_hc import PCAKMHC
 
@@ -405,6 +406,22 @@ class FakeFederation:
             out[c] = {"correct": float(torch.exp(-((w - self.targets[c]) ** 2).mean())), "total": 1.0}
         return out
 
+    def run(self, op, rnd, calls, purpose=None, **_):
+        """PACFL's `subspace`: a client's class bases span the axes of its target's sign
+        (3 of the first 6 coordinates of a 16-d pixel space), slightly tilted per client."""
+        assert op.name == "subspace", op
+        g = torch.Generator().manual_seed(11)
+        out = {}
+        for c, call in calls.items():
+            first = 0 if float(self.targets[c][0]) > 0 else 3
+            basis = torch.zeros(call.meta["basis"], 16, dtype=torch.float64)
+            basis[:, first : first + 3] = torch.eye(3, dtype=torch.float64)[: call.meta["basis"]]
+            basis += 0.01 * torch.randn(basis.shape, generator=g, dtype=torch.float64)
+            basis /= basis.norm(dim=1, keepdim=True)
+            out[int(c)] = Reply({"basis": basis.float().numpy()}, {"n": int(self.n[c])})
+            self._count("up", "embedding", basis.numel() * 4)
+        return Exchange(out, sorted(out), {"bytes": {}})
+
     def embed(self, rnd, clients, tensors, meta, purpose="fcr"):
         self._count("down", "encoder", sum(t.nbytes for t in tensors.values()) * len(clients))
         e = meta["latent"]
@@ -424,6 +441,7 @@ LOOP = {
     "fedsem": (FedSEM, {"centers": 2}),
     "cfl": (CFL, {"warmup_rounds": 3, "eps1": 1.5, "eps2": 4.0}),
     "fedgroup": (FedGroup, {"groups": 2, "pretrain_scale": 5}),  # 10 of 20 pre-train, the rest cold-start
+    "pacfl": (PACFL, {}),  # the authors' threshold (4.9 degrees) separates the two planted subspaces
     "pca_km_hc": (PCAKMHC, {"components": 8, "clusters": 2}),
 }
 
@@ -454,7 +472,7 @@ def test_round_loop_and_byte_formula(tmp_path, name):
     assert expected["bytes"] == measured, (expected, b)  # pca_km_hc: FLT's M*W_enc + k*M*e + 2*rho*M*W*T
     summary = strategy.summary()
     json.dumps(summary), json.dumps(expected)  # summary.json must be able to hold them
-    if name in ("ifca", "fedsem", "cfl", "fedgroup"):
+    if name in ("ifca", "fedsem", "cfl", "fedgroup", "pacfl"):
         assert summary["ari"] == pytest.approx(1.0), summary
     if name == "fedgroup":
         assert summary["pretrained_clients"] == 10 and sum(c["clients"] for c in summary["cold_starts"]) > 0
@@ -479,3 +497,33 @@ def test_a_cross_field_rule_holds_in_code_as_in_a_scenario(tmp_path):
     with pytest.raises(ConfigError, match="flt: linkage 'ward_graph' clusters the thresholded graph"):
         STRATEGIES["flt"](make_ctx(tmp_path), linkage="ward_graph")
     assert PCAKMHC(make_ctx(tmp_path), linkage="ward_graph").params["gamma"] is None  # takes a quantile instead
+
+
+# -- PACFL -------------------------------------------------------------------------------
+def _plane(axes: list[int], d: int = 12, tilt: float = 0.0, seed: int = 0) -> np.ndarray:
+    g = np.random.default_rng(seed)
+    b = np.eye(d)[axes] + tilt * g.standard_normal((len(axes), d))
+    return b / np.linalg.norm(b, axis=1, keepdims=True)
+
+
+def test_pacfl_angles_are_the_smallest_between_any_two_basis_vectors():
+    a, b, c = _plane([0, 1]), _plane([1, 2]), _plane([3, 4])
+    angles = smallest_angles([a, b, c, -a])  # a sign flip of a singular vector changes nothing
+    assert angles.shape == (4, 4) and (np.diag(angles) == 0).all() and np.allclose(angles, angles.T)
+    assert angles[0, 1] == pytest.approx(0.0, abs=1e-5)  # they share axis 1
+    assert angles[0, 2] == pytest.approx(90.0) and angles[0, 3] == pytest.approx(0.0, abs=1e-5)
+    ragged = smallest_angles([a, _plane([1]), c])  # clients holding different numbers of classes
+    assert ragged[0, 1] == pytest.approx(0.0, abs=1e-5) and ragged[1, 2] == pytest.approx(90.0)
+
+
+def test_pacfl_merges_within_the_threshold_or_cuts_into_c():
+    bases = [_plane([0, 1], tilt=0.02, seed=s) for s in range(3)] + [
+        _plane([5, 6], tilt=0.02, seed=s) for s in range(3)
+    ]
+    a = smallest_angles(bases)
+    two = hierarchical(a, "average", 4.9, None)
+    assert len(set(two[:3])) == 1 and len(set(two[3:])) == 1 and two[0] != two[3]
+    assert len(set(hierarchical(a, "average", 0.01, None))) == 6  # nothing is that close
+    assert len(set(hierarchical(a, "maximum", 20.0, None))) == 2  # the authors' other linkages
+    assert len(set(hierarchical(a, "minimum", 89.99, None))) == 1  # about 88-89 degrees apart
+    assert len(set(hierarchical(a, "average", 4.9, 3))) == 3  # C given: the same tree, cut into 3

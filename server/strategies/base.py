@@ -65,6 +65,8 @@ class Context:
     # uint8 [N, C, H, W] images no client trains on, for an encoder spec ({dataset, root}):
     # the held-out public slice or another dataset (server/encoder.py: image_source)
     public_images: Callable[[dict], np.ndarray] = _no_public_images
+    in_shape: tuple[int, ...] = ()  # one image's shape (C, H, W)
+    num_classes: int = 0
 
 
 class FederationView(Protocol):
@@ -134,6 +136,12 @@ class Strategy:
         scenario's validation too); returns the problem, or None."""
         check = METHODS[cls.name].check if cls.name in METHODS else None
         return check(params) if check else None
+
+    @classmethod
+    def max_upload(cls, params: dict, in_shape: tuple[int, ...], num_classes: int) -> int:
+        """Bytes of the largest reply the method's own device ops send, when that can
+        exceed one model (the transport refuses anything larger than both, unread)."""
+        return 0
 
     def setup(self, fed: FederationView) -> None:
         """One-off work before the first round."""

@@ -329,6 +329,30 @@ FEDGROUP = {
 }
 
 
+# -- PACFL -------------------------------------------------------------------------------
+PACFL = {
+    "basis": Field(int, 3, "p: left singular vectors each client sends per class it holds", min=1, max=64),
+    "threshold": Field(
+        float,
+        4.9,
+        "hierarchical clustering merges clusters while their distance (degrees) is at most this "
+        "(the authors' CIFAR-10 script: 4.9)",
+        min=0,
+        max=90,
+    ),
+    "clusters": Field(
+        int, None, "C given instead of the threshold: cut the tree into C clusters", nullable=True, min=1
+    ),
+    "linkage": Field(
+        str,
+        "average",
+        "the distance between merged clusters, as the authors' code updates it: average (of the two "
+        "merged rows: WPGMA), maximum (complete) or minimum (single)",
+        choices=("average", "maximum", "minimum"),
+    ),
+}
+
+
 # -- FedSEM ------------------------------------------------------------------------------
 FEDSEM = {
     "centers": Field(int, 5, "K, the number of centre models", min=1),
@@ -396,4 +420,5 @@ METHODS = {
     "fesem_soft": Method("flt.server.strategies.fesem_soft", "FeSEMSoft", FESEM_SOFT),
     "cfl": Method("flt.server.strategies.cfl", "CFL", CFL),
     "fedgroup": Method("flt.server.strategies.fedgroup", "FedGroup", FEDGROUP),
+    "pacfl": Method("flt.server.strategies.pacfl", "PACFL", PACFL),
 }
