@@ -149,6 +149,7 @@ def train_from(device: Device, batch: list[Message], start: torch.Tensor) -> tup
         batch_size=m0["batch_size"],
         lr=m0["lr"],
         prox_mu=m0.get("prox_mu", 0.0),
+        momentum=m0.get("momentum", 0.0),
         vectorize=m0.get("vectorize", True),
     )
     trained, losses = (t.cpu() for t in trainer(device).train(start.to(device.accel), xs, ys, cfg, generators(batch)))

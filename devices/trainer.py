@@ -49,6 +49,7 @@ class TrainConfig:
     batch_size: int = 10
     lr: float = 0.01
     prox_mu: float = 0.0  # FedProx proximal coefficient (0 = plain SGD)
+    momentum: float = 0.0  # SGD momentum (torch's: buf = momentum * buf + g; w -= lr * buf)
     loss: str = "ce"  # "ce" for classifiers, "mse" for autoencoder reconstruction
     optimizer: str = "sgd"  # "sgd" or "adam" (autoencoder fine-tuning)
     vectorize: bool | str = True  # or "auto": see use_vmap
@@ -290,7 +291,11 @@ class CohortTrainer:
         for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
             params = {k: v.clone().requires_grad_(True) for k, v in unflatten(start[i].float(), self.spec).items()}
             anchor = {k: v.detach().clone() for k, v in params.items()}
-            opt = (torch.optim.SGD if cfg.optimizer == "sgd" else torch.optim.Adam)(params.values(), lr=cfg.lr)
+            opt = (
+                torch.optim.SGD(params.values(), lr=cfg.lr, momentum=cfg.momentum)
+                if cfg.optimizer == "sgd"
+                else torch.optim.Adam(params.values(), lr=cfg.lr)
+            )
             seen = 0
             acc: torch.Tensor | float = 0.0  # a tensor after the first step
             for order, weight, noise in orders:
@@ -370,6 +375,7 @@ class _StackSGD:
             and not any(isinstance(m, torch.nn.Flatten) for m in list(model)[1:])
             and cfg.loss == "ce"
             and cfg.optimizer == "sgd"
+            and not cfg.momentum  # a buffer per client is the gradient-sized memory this class avoids
         )
 
     def __init__(
@@ -455,6 +461,7 @@ class _StackedOptimizer:
     def __init__(self, flat: torch.Tensor, cfg: TrainConfig):
         self.cfg = cfg
         self.t: torch.Tensor | int = 0  # Adam: each client's step count [B], a tensor from the first step
+        self.buf: dict[str, torch.Tensor] = {}  # SGD momentum: each client's buffer
         if cfg.optimizer == "adam":
             self.m: dict[str, torch.Tensor] = {}
             self.v: dict[str, torch.Tensor] = {}
@@ -464,9 +471,16 @@ class _StackedOptimizer:
         """`active` [B]: clients with a real sample in this step. A padding step has zero
         gradient, which leaves SGD unchanged, but Adam must skip it outright."""
         lr = self.cfg.lr
-        if self.cfg.optimizer == "sgd":
+        if self.cfg.optimizer == "sgd" and not self.cfg.momentum:
             for k, g in grads.items():
                 params[k].sub_(g, alpha=lr)  # no temporary the size of the stack
+            return
+        if self.cfg.optimizer == "sgd":  # momentum: a client without a sample this step skips it
+            for k, g in grads.items():
+                on = active.view((-1,) + (1,) * (g.dim() - 1))
+                buf = self.buf.setdefault(k, torch.zeros_like(g))
+                buf.copy_(torch.where(on, self.cfg.momentum * buf + g, buf))
+                params[k].sub_(torch.where(on, lr * buf, 0.0))
             return
         steps = self.t + active.double()  # each client's own step count
         self.t = steps

@@ -87,6 +87,14 @@ TRAIN = {
     "local_epochs": Field(int, 1, "local epochs E", min=1),
     "batch_size": Field(int, 10, "local batch size B", min=1),
     "lr": Field(float, 0.01, "local SGD learning rate", min=0, open_min=True),
+    "momentum": Field(
+        float,
+        0.0,
+        "SGD momentum of the local steps (0: plain SGD, as the FLT paper's text states; its authors' "
+        "code uses 0.5). The buffer starts at zero with every task, as a fresh optimizer does",
+        min=0,
+        max=1,
+    ),
     "eval_every": Field(int, 1, "evaluate every n rounds (and at the last)", min=1),
     "target_accuracy": Field(float, None, "accuracy (%) for rounds/bytes-to-target", nullable=True, min=0, max=100),
     "vectorize": Field(

@@ -199,6 +199,8 @@ class Federation:
             "vectorize": self.cfg["vectorize"],
             "seed": self._seed(rnd),
         }
+        if self.cfg.get("momentum"):  # absent at 0: plain SGD's task headers (and bytes) stay as they were
+            base["momentum"] = self.cfg["momentum"]
         msgs = {}
         for c, t in tasks.items():
             tensors = {} if t.models is None else {"model": t.models.detach().cpu().numpy()}

@@ -210,3 +210,10 @@ def test_help_lists_the_commands():
 def test_every_shipped_scenario_validates(path):
     cfg = config.load(path)
     assert cfg["methods"] and cfg["train"]["rounds"] >= 1
+
+
+def test_momentum_is_plain_sgd_unless_asked_and_bounded():
+    assert config.load(QUICKSTART)["train"]["momentum"] == 0.0  # the paper's text: plain SGD
+    assert config.load(QUICKSTART, ["train.momentum=0.5"])["train"]["momentum"] == 0.5  # its authors' code
+    with pytest.raises(ConfigError, match=r"train\.momentum: 1\.5 is above the maximum 1"):
+        config.load(QUICKSTART, ["train.momentum=1.5"])

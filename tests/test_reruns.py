@@ -48,6 +48,7 @@ def trainer():
         TrainConfig(epochs=2, batch_size=10, lr=0.05),
         TrainConfig(epochs=2, batch_size=10, lr=0.01, prox_mu=0.1),
         TrainConfig(epochs=1, batch_size=10, lr=0.001, optimizer="adam"),
+        TrainConfig(epochs=2, batch_size=10, lr=0.05, momentum=0.5),
     ],
 )
 def test_a_clients_training_does_not_depend_on_its_cohort(trainer, cfg):
@@ -69,8 +70,10 @@ def test_a_clients_training_does_not_depend_on_its_cohort(trainer, cfg):
         # vmap against the loop moves a weight by up to ~lr/40; a padded step
         # that wrongly applied momentum would move it by ~lr per step
         TrainConfig(epochs=2, lr=1e-4, optimizer="adam"),
+        # the authors' FLT code: torch's SGD with momentum 0.5 (the loop uses torch.optim.SGD)
+        TrainConfig(epochs=2, lr=0.05, momentum=0.5),
     ],
-    ids=["sgd", "fedprox", "adam"],
+    ids=["sgd", "fedprox", "adam", "momentum"],
 )
 def test_the_vmapped_cohort_equals_the_per_client_loop(trainer, cfg):
     # unequal shards: the short clients' padded steps must change nothing (Adam included)
@@ -83,6 +86,9 @@ def test_the_vmapped_cohort_equals_the_per_client_loop(trainer, cfg):
     assert torch.allclose(vloss, lloss, atol=1e-5)
     other, _ = tr.train(init.expand(len(ids), -1), *cohort(ids), cfg, [client_generator(4, c) for c in ids])
     assert not torch.equal(other, vmapped)  # the round's seed does reach the batches
+    if cfg.momentum:  # and the momentum reaches the steps
+        plain, _ = tr.train(init.expand(len(ids), -1), *cohort(ids), dataclasses.replace(cfg, momentum=0.0), gens())
+        assert not torch.allclose(plain, vmapped, atol=1e-4)
 
 
 @pytest.mark.parametrize("cfg", [TrainConfig(epochs=2, lr=0.05), TrainConfig(epochs=2, lr=0.05, prox_mu=0.1)])
