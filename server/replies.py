@@ -109,7 +109,7 @@ def subspace_check(sent: dict[int, Message], sizes: ShardSizes | None) -> Check:
     """`subspace`'s result (PACFL): the client's training-sample count and one float basis
     [rows, d] of at most `basis` unit vectors per class, d the sent image size."""
 
-    def check(client: int, reply: Message):
+    def check(client: int, reply: Message) -> tuple[str, str] | None:
         n, expected_n = reply.meta.get("n"), sizes(client)[0] if sizes else None
         if not _is_int(n) or n < 1 or (expected_n is not None and n != expected_n):
             return "wrong sample count", f"n = {short(n, 24)}, its shard holds {expected_n}"
