@@ -139,14 +139,12 @@ class Federation:
         by_name = {op.name: op for op in ops}
         op_of = {c: by_name[_op_name(m, ops)] for c, m in msgs.items()}
         checks = {
-            op.name: op.check({c: m for c, m in msgs.items() if op_of[c] is op}, self.shard_sizes)
-            for op in ops
-            if op.check
+            op.name: op.reply_check({c: m for c, m in msgs.items() if op_of[c] is op}, self.shard_sizes) for op in ops
         }
 
         def check(client: int, reply: Message) -> tuple[str, str] | None:
-            name = op_of[client].name
-            return checks[name](client, reply) if name in checks else None
+            op_check = checks[op_of[client].name]
+            return op_check(client, reply) if op_check else None
 
         before = self.transport.ledger.totals()
         replies = self.transport.gather(

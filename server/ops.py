@@ -34,8 +34,8 @@ from flt.server.replies import (
     update_check,
 )
 
-# (the tasks sent, the clients' shard sizes) -> the check of each reply
-CheckFor = Callable[[dict[int, Message], "ShardSizes | None"], Check]
+# (the tasks sent, the clients' shard sizes, the op) -> the check of each reply
+CheckFor = Callable[[dict[int, Message], "ShardSizes | None", "DeviceOp"], Check]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,11 @@ class DeviceOp:
     model_back: bool = True
     task_kind: str = "task"
     reply_kind: str = "result"
+
+    def reply_check(self, sent: dict[int, Message], sizes: ShardSizes | None) -> Check | None:
+        """The check of this op's replies to `sent`; a training op's knows from `model_back`
+        whether a reply must carry the model or must not."""
+        return None if self.check is None else self.check(sent, sizes, self)
 
     def message(self, rnd: int, client: int, tensors: dict[str, np.ndarray], meta: dict) -> Message:
         """The task for one client: the op's own kind, or a generic task naming the op."""
@@ -81,11 +86,13 @@ def forward(sent: Message, reply: Message) -> tuple[float, float]:
     return float(reply.meta.get("n", 0)), 0.0
 
 
-def _training(stays: bool) -> CheckFor:
-    return lambda sent, sizes: update_check(sent, sizes, stays=sent if stays else ())
+def training(sent: dict[int, Message], sizes: ShardSizes | None, op: DeviceOp) -> Check:
+    """A training op's replies: an update that carries the trained model, or (`model_back`
+    False) none at all."""
+    return update_check(sent, sizes, stays=() if op.model_back else sent)
 
 
-def _embedding(sent: dict[int, Message], sizes: ShardSizes | None) -> Check:
+def _embedding(sent: dict[int, Message], sizes: ShardSizes | None, op: DeviceOp) -> Check:
     k = next(iter(sent.values())).meta.get("k") if sent else None
     # "auto" picks k in 2..10 on the device; "labels": one row per class
     max_k = k if isinstance(k, int) else MAX_CLASSES if k == "labels" else 10
@@ -93,9 +100,14 @@ def _embedding(sent: dict[int, Message], sizes: ShardSizes | None) -> Check:
 
 
 # -- the built-in operations (devices/ops.py runs them) ----------------------------------
-TRAIN = DeviceOp("train", "model", trained, _training(False), task_kind="train", reply_kind="update")
+TRAIN = DeviceOp("train", "model", trained, training, task_kind="train", reply_kind="update")
 EVALUATE = DeviceOp(
-    "evaluate", "evaluation", None, lambda sent, sizes: metrics_check(sizes), task_kind="evaluate", reply_kind="metrics"
+    "evaluate",
+    "evaluation",
+    None,
+    lambda sent, sizes, op: metrics_check(sizes),
+    task_kind="evaluate",
+    reply_kind="metrics",
 )
 EMBED = DeviceOp("embed", "embedding", embedded, _embedding, task_kind="encoder", reply_kind="centroids")
 # a checkpoint's question (server/federation.py checks its replies with state_check)
@@ -103,10 +115,10 @@ SNAPSHOT = DeviceOp("snapshot", "control", None, None, task_kind="snapshot", rep
 
 # -- operations of particular methods (devices/methods/<name>.py runs them) --------------
 # IFCA's client step: the lowest-loss of the C models it carries, then E epochs from it
-TRAIN_BEST = DeviceOp("train_best", "model", trained, _training(False))
+TRAIN_BEST = DeviceOp("train_best", "model", trained, training)
 # Local's client step: the model stays on the device between rounds
-TRAIN_RESIDENT = DeviceOp("train_resident", "model", trained, _training(True), model_back=False)
+TRAIN_RESIDENT = DeviceOp("train_resident", "model", trained, training, model_back=False)
 # which of K candidate models fits the client's own data best, without training
-CHOOSE = DeviceOp("choose", "model", forward, lambda sent, sizes: choose_check(sent, sizes))
+CHOOSE = DeviceOp("choose", "model", forward, lambda sent, sizes, op: choose_check(sent, sizes))
 # PACFL's one-shot step: the top left singular vectors of each class's data matrix
-SUBSPACE = DeviceOp("subspace", "embedding", forward, subspace_check)
+SUBSPACE = DeviceOp("subspace", "embedding", forward, lambda sent, sizes, op: subspace_check(sent, sizes))

@@ -23,7 +23,7 @@ from flt.server.strategies.fedprox import FedProx
 from flt.server.strategies.fedsem import FedSEM
 from flt.server.strategies.ifca import IFCA
 from flt.server.strategies.local import Local
-from flt.server.strategies.pacfl import PACFL, hierarchical, smallest_angles
+from flt.server.strategies.pacfl import PACFL, cross_angles, hierarchical, smallest_angles
 from flt.server.strategies.params import METHODS
 from flt.server.strategies.pca_km_hc import PCAKMHC
 
@@ -527,3 +527,10 @@ def test_pacfl_merges_within_the_threshold_or_cuts_into_c():
     assert len(set(hierarchical(a, "maximum", 20.0, None))) == 2  # the authors' other linkages
     assert len(set(hierarchical(a, "minimum", 89.99, None))) == 1  # about 88-89 degrees apart
     assert len(set(hierarchical(a, "average", 4.9, 3))) == 3  # C given: the same tree, cut into 3
+
+
+def test_pacfl_cross_angles_do_not_depend_on_the_slice_size():
+    bases = [_plane([i % 6, (i + 1) % 6], tilt=0.05, seed=i) for i in range(7)]
+    whole = cross_angles(bases[:3], bases)
+    np.testing.assert_allclose(cross_angles(bases[:3], bases, budget=1), whole)  # one client per slice
+    np.testing.assert_allclose(smallest_angles(bases)[:3], np.where(np.eye(3, 7, dtype=bool), 0.0, whole), atol=1e-9)

@@ -113,10 +113,10 @@ class FedGroup(Strategy):
         return tasks
 
     def aggregate(self, rnd: int, results: dict[int, Result]) -> None:
+        warm = [c for c in sorted(results) if self.group[c] >= 0]  # before the cold start places the rest
         cold = [c for c in sorted(results) if self.group[c] < 0]
         if cold:
             self.cold_start(rnd, cold, results)
-        warm = [c for c in sorted(results) if c not in set(cold)]
         if not warm:
             return
         models, n = stack(results, warm)

@@ -50,19 +50,34 @@ from flt.server.strategies.params import PACFL as PACFL_PARAMS
 LINKAGES = {"average": "weighted", "maximum": "complete", "minimum": "single"}
 
 
-def smallest_angles(bases: list[np.ndarray]) -> np.ndarray:
-    """A [M, M]: the smallest angle (degrees) between any basis vector of client i and any
-    of client j, from bases [r_i, d] of unit rows, in one batched product (rows padded
-    with zeros, which never win the maximum |cosine|)."""
-    rows = max(len(b) for b in bases)
+def _stack(bases: list[np.ndarray], rows: int) -> torch.Tensor:
+    """[M, rows, d]: each client's unit rows, padded with zero rows (which never win the
+    maximum |cosine|)."""
     stacked = np.zeros((len(bases), rows, bases[0].shape[1]), dtype=np.float64)
     for i, b in enumerate(bases):  # one copy per client, no pairs
         stacked[i, : len(b)] = b
-    t = torch.from_numpy(stacked)
-    cos = torch.einsum("ird,jsd->ijrs", t, t).abs().amax(dim=(2, 3)).clamp(max=1.0)
-    angles = torch.rad2deg(torch.arccos(cos)).numpy()
+    return torch.from_numpy(stacked)
+
+
+def cross_angles(a: list[np.ndarray], b: list[np.ndarray], budget: int = 2**24) -> np.ndarray:
+    """[len(a), len(b)]: the smallest angle (degrees) between any basis vector of a's
+    client i and any of b's client j, as batched products over slices of a's clients
+    (each slice's [n, len(b), r, r] cosines stay under `budget` numbers)."""
+    rows = max(len(x) for x in [*a, *b])
+    ta, tb = _stack(a, rows), _stack(b, rows)
+    step = max(1, budget // (len(b) * rows * rows))
+    cos = torch.cat(
+        [torch.einsum("ird,jsd->ijrs", ta[lo : lo + step], tb).abs().amax(dim=(2, 3)) for lo in range(0, len(a), step)]
+    )
+    return torch.rad2deg(torch.arccos(cos.clamp(max=1.0))).numpy()
+
+
+def smallest_angles(bases: list[np.ndarray]) -> np.ndarray:
+    """A [M, M] of `cross_angles` among the clients, zero on the diagonal and exactly
+    symmetric (for scipy)."""
+    angles = cross_angles(bases, bases)
     np.fill_diagonal(angles, 0.0)
-    return (angles + angles.T) / 2  # exactly symmetric for scipy
+    return (angles + angles.T) / 2
 
 
 def hierarchical(adjacency: np.ndarray, how: str, threshold: float, clusters: int | None) -> np.ndarray:
@@ -125,7 +140,7 @@ class PACFL(Strategy):
         if not got or not len(known):
             return {"assigned": []}
         new = np.array(sorted(got), dtype=np.int64)
-        angles = smallest_angles([self.bases[c] for c in [*new.tolist(), *known.tolist()]])[: len(new), len(new) :]
+        angles = cross_angles([self.bases[c] for c in new.tolist()], [self.bases[c] for c in known.tolist()])
         means = np.stack([angles[:, self.labels[known] == j].mean(1) for j in range(len(self.models))], axis=1)
         self.labels[new] = means.argmin(1)
         return {"assigned": self.labels[new].tolist()}
