@@ -38,7 +38,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,6 +53,7 @@ from sklearn.model_selection import GroupKFold  # noqa: E402
 
 DATA = Path(os.environ.get("FLT_DATA", REPO.parent / "shared" / "data")).resolve()
 CACHE = REPO / "benchmarks" / ".cache" / "fcr_quality"
+CACHE_VERSION = 2
 
 # -- the suite ---------------------------------------------------------------------------
 S1 = {"kind": "clusters", "clusters": 5, "classes_per_cluster": 2, "shared_classes": 0}
@@ -130,22 +131,25 @@ SUITE = [
         public_fraction=0.1,
     ),
     Case("fmnist-s2-m50-enc2", "fashion_mnist", {**S2, "clients": 50, "samples_per_client": 500}, ENC2_MNIST),
-    Case(
-        "cifar10-s1-m100-enc1",
-        "cifar10_jpg",
-        {**S1, "clients": 100, "samples_per_client": 450},
-        ENC_PUBLIC,
-        root=str(DATA / "cifar10-jpg"),
-        public_fraction=0.1,
-    ),
-    Case(
-        "cifar10-s2-m100-enc1",
-        "cifar10_jpg",
-        {**S2, "clients": 100, "samples_per_client": 450},
-        ENC_PUBLIC,
-        root=str(DATA / "cifar10-jpg"),
-        public_fraction=0.1,
-    ),
+    # CIFAR-10's S1 clusters nest (two vehicle pairs, three animal pairs): the coarse cut
+    # must not win when the finer one is separated; M 50 / 200 change the samples per client
+    *[
+        Case(
+            f"cifar10-{tag}-m{m}-enc1",
+            "cifar10_jpg",
+            {**part, "clients": m, "samples_per_client": 45_000 // m},
+            ENC_PUBLIC,
+            seeds,
+            root=str(DATA / "cifar10-jpg"),
+            public_fraction=0.1,
+        )
+        for tag, part, m, seeds in (
+            ("s1", S1, 100, (0, 1, 2)),
+            ("s1", S1, 50, (0, 1)),
+            ("s1", S1, 200, (0, 1)),
+            ("s2", S2, 100, (0, 1)),
+        )
+    ],
     *[
         Case(
             f"femnist-structured-c{c}",
@@ -235,22 +239,28 @@ def variants():
     from flt.server import fcr
 
     R = fcr.Relatedness
+    old = fcr.PRESETS["chamfer"]
     return {
         "paper (umap, min, gamma 1, ward A~, gap)": fcr.PRESETS["paper"],
         "paper, gamma 0.5": R(space="umap", distance="min", linkage="ward_graph", choose="gap", gamma=0.5),
-        "umap, chamfer, average, silhouette": R(space="umap"),
-        "embedding, min, average, silhouette": R(distance="min"),
-        "embedding, hausdorff, average, silhouette": R(distance="hausdorff"),
-        "embedding, chamfer, average, gap": R(choose="gap"),
-        "embedding, chamfer, average, silhouette without slack": R(silhouette_slack=0.0),
-        "embedding, chamfer, complete, silhouette": R(linkage="complete"),
-        "set, silhouette floor 0.35, no separation (the default until Nov 2026)": R(
-            min_silhouette=0.35, min_separation=0.0
-        ),
-        "set, separation 0.13": R(min_separation=0.13),
-        "set, separation 0.20": R(min_separation=0.20),
-        "set: embedding, chamfer, average, silhouette, separation 0.16 (default)": fcr.PRESETS["set"],
+        "umap, chamfer, average, silhouette": replace(old, space="umap"),
+        "embedding, min, average, silhouette": replace(old, distance="min"),
+        "embedding, chamfer, average, gap": replace(old, choose="gap"),
+        "chamfer: embedding, chamfer, average, silhouette, separation 0.16 (the default until Dec 2026)": old,
+        "whitened, chamfer, average, silhouette": replace(old, space="whitened"),
+        "whitened, energy, ward, silhouette": replace(old, space="whitened", distance="energy", linkage="ward"),
+        "embedding, energy, ward, splits": R(space="embedding"),
+        "whitened, energy, ward, splits, unweighted": R(),
+        "whitened, energy, ward, splits 2.0": R(min_split=2.0),
+        "whitened, energy, ward, splits 2.75": R(min_split=2.75),
+        "set: whitened, energy, ward, splits 2.25 (default)": fcr.PRESETS["set"],
     }
+
+
+UNWEIGHTED = {  # as if clients sent no shares (they did not before Dec 2026)
+    "whitened, energy, ward, splits, unweighted",
+    "chamfer: embedding, chamfer, average, silhouette, separation 0.16 (the default until Dec 2026)",
+}
 
 
 # -- running FCR's client side once per case and seed ---------------------------------------
@@ -272,7 +282,8 @@ def centroids_for(case: Case, seed: int, fresh: bool = False) -> dict:
     from flt.emulator.relate import relate_scenario
 
     raw = scenario(case, seed)
-    key = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
+    # CACHE_VERSION: what the clients send changed (2: each centroid's share of the samples)
+    key = hashlib.sha256(json.dumps({**raw, "cache": CACHE_VERSION}, sort_keys=True).encode()).hexdigest()[:16]
     out = CACHE / f"{case.name}-s{seed}-{key}"
     npz = out / "flt" / "fcr.npz"
     if fresh or not npz.exists():
@@ -280,11 +291,12 @@ def centroids_for(case: Case, seed: int, fresh: bool = False) -> dict:
         relate_scenario(resolve(copy.deepcopy(raw)), str(out), progress=lambda *_: None, umap=False)
         (out / "embed_seconds.txt").write_text(f"{time.perf_counter() - tic:.2f}")
     with np.load(npz) as z:
-        owner, cents, truth = z["owner"], z["centroids"], z["truth"]
+        owner, cents, truth, shares = z["owner"], z["centroids"], z["truth"], z["shares"]
         classes = z.get("classes")
     clients = np.unique(owner)
     return {
         "sets": [cents[owner == c] for c in clients],
+        "shares": [shares[owner == c] for c in clients],
         "classes": None if classes is None else [classes[owner == c] for c in clients],
         "truth": truth,
         "embed_s": float((out / "embed_seconds.txt").read_text()),
@@ -326,16 +338,22 @@ def knn_accuracy(sets: list[np.ndarray], truth: np.ndarray, k: int = 5) -> float
     return float((votes.argmax(1) == truth).mean())
 
 
-def evaluate(sets, truth, how, seed: int, umap_points, classes=None) -> dict:
+def evaluate(case, sets, truth, how, seed: int, umap_points, classes=None, shares=None) -> dict:
+    """One pipeline on one case's centroids, as FLT runs it (the space, then relate)."""
     from flt.server import fcr
 
     tic = time.perf_counter()
-    points = umap_points if how.space == "umap" else sets
-    found = fcr.relate(points, how, classes=classes)
+    if how.space == "umap":
+        points = umap_points
+    elif how.space == "whitened" and "finetune_epochs" not in case.encoder:  # as FLT.project
+        points = fcr.whiten(sets, shares)
+    else:
+        points = sets
+    found = fcr.relate(points, how, classes=classes, weights=shares)
     out = {"clusters": found.n_clusters, "seconds": time.perf_counter() - tic}
     if (truth >= 0).all():
         planted = len(np.unique(truth))
-        given = fcr.relate(points, how, n_clusters=planted, classes=classes)
+        given = fcr.relate(points, how, n_clusters=planted, classes=classes, weights=shares)
         out |= {
             "ari": adjusted_rand_score(truth, found.labels),
             "nmi": normalized_mutual_info_score(truth, found.labels),
@@ -382,7 +400,8 @@ def main() -> None:
                 "variants": {},
             }
             for name, how in variants().items():
-                row["variants"][name] = evaluate(sets, truth, how, seed, umap_points, got["classes"])
+                shares = None if name in UNWEIGHTED else got["shares"]
+                row["variants"][name] = evaluate(case, sets, truth, how, seed, umap_points, got["classes"], shares)
             rows.append(row)
             print(_row_line(row), flush=True)
     if args.keep_others and Path(args.out).is_file():

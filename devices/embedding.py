@@ -93,28 +93,36 @@ def _finetune_and_embed(ae, spec, cfg, init, xs, gens, chunk) -> list[np.ndarray
     return [z[i, : int(n)].numpy() for i, n in enumerate(lengths)]
 
 
-def centroids(emb: np.ndarray, k: int | Literal["auto"], seed: int, k_max: int = 10) -> np.ndarray:
-    """k-means centroids of one client's embeddings (seeded).
+def centroids(emb: np.ndarray, k: int | Literal["auto"], seed: int, k_max: int = 10) -> tuple[np.ndarray, np.ndarray]:
+    """k-means centroids of one client's embeddings (seeded), and each one's share of the
+    client's samples. The shares make the k points a summary of the client's distribution:
+    without them, two clients of one distribution whose k-means happened to put 3 of 5
+    centroids on one class and 2 on the other look as different as two class mixtures.
 
     k = "auto" picks k in 2..k_max by silhouette score of the client's own embeddings
     (never from labels)."""
     n = len(emb)
     if k == "auto":
         k = _auto_k(emb, seed, min(k_max, n - 1))
-    k = max(1, min(int(k), n))
-    km = KMeans(n_clusters=k, n_init=10, random_state=seed).fit(emb)
-    return km.cluster_centers_.astype(np.float32)
+    count = max(1, min(int(k), n))
+    km = KMeans(n_clusters=count, n_init=10, random_state=seed).fit(emb)
+    return km.cluster_centers_.astype(np.float32), _shares(km.labels_, count)
 
 
-def label_means(emb: np.ndarray, y: np.ndarray) -> np.ndarray:
+def label_means(emb: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Label-conditioned centroids: the mean embedding of each class the client holds,
-    as rows [mean, class] (k x (e + 1)); the server compares clients class by class, so
-    two clients whose labels mean different things (concept shift) are far apart."""
+    as rows [mean, class] (k x (e + 1)), and each class's share of the client's samples;
+    the server compares clients class by class, so two clients whose labels mean
+    different things (concept shift) are far apart."""
     classes, inverse = np.unique(y, return_inverse=True)
     sums = np.zeros((len(classes), emb.shape[1]), np.float64)
     np.add.at(sums, inverse, emb)
     means = sums / np.bincount(inverse)[:, None]
-    return np.hstack([means, classes[:, None]]).astype(np.float32)
+    return np.hstack([means, classes[:, None]]).astype(np.float32), _shares(inverse, len(classes))
+
+
+def _shares(labels: np.ndarray, k: int) -> np.ndarray:
+    return (np.bincount(labels, minlength=k) / len(labels)).astype(np.float32)
 
 
 def _auto_k(emb: np.ndarray, seed: int, k_max: int) -> int:

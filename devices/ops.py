@@ -230,8 +230,9 @@ def evaluate(device: Device, batch: list[Message], slice_size: int = 256) -> lis
 @register("embed")
 def embed(device: Device, batch: list[Message]) -> list[Message]:
     """FCR: embed the client's data with the encoder sent (ONNX, a PCA basis, or an
-    autoencoder to fine-tune first), then send k seeded k-means centroids (or, with
-    k = "labels", one mean per class it holds, its class in a last column)."""
+    autoencoder to fine-tune first), then send k seeded k-means centroids and each one's
+    share of the client's samples (or, with k = "labels", one mean per class it holds,
+    its class in a last column, and the class's share)."""
     meta, t = batch[0].meta, batch[0].tensors
     xs = [device.shards[m.client].x for m in batch]
     if meta["format"] != "autoencoder":  # onnxruntime and numpy read host memory
@@ -249,9 +250,9 @@ def embed(device: Device, batch: list[Message]) -> list[Message]:
     out = []
     for m, e in zip(batch, embs, strict=True):
         if meta["k"] == "labels":
-            c = embedding.label_means(e, device.shards[m.client].y.cpu().numpy())
+            c, shares = embedding.label_means(e, device.shards[m.client].y.cpu().numpy())
         else:
-            c = embedding.centroids(e, meta["k"], seed=client_seed(meta["seed"], m.client))
+            c, shares = embedding.centroids(e, meta["k"], seed=client_seed(meta["seed"], m.client))
         device.flags.discard(m.client)
         # the image test sees neither a fine-tuned encoder it does not keep nor a label
         # change (k: labels): then any change of the store raises the flag
@@ -259,7 +260,11 @@ def embed(device: Device, batch: list[Message]) -> list[Message]:
         device.watch.remember(m.client, _images_of(device.shards[m.client]), client_seed(0, m.client), testable)
         out.append(
             Message(
-                "centroids", m.round, m.client, tensors={"centroids": c}, meta={"batch": m.meta["batch"], "n": len(e)}
+                "centroids",
+                m.round,
+                m.client,
+                tensors={"centroids": c, "shares": shares},
+                meta={"batch": m.meta["batch"], "n": len(e)},
             )
         )
     return out

@@ -97,7 +97,7 @@ def relate_scenario(
         }
     finally:
         session.close()
-    if umap and strategy.how.space == "embedding":  # the pipeline did not need UMAP; draw it anyway
+    if umap and strategy.how.space != "umap":  # the pipeline did not need UMAP; draw it anyway
         plot_umap(strategy, ctx, method_dir)
     (run_dir / "relate.json").write_text(json.dumps(result, indent=2, default=report._jsonable))
     progress(describe(result))

@@ -1,33 +1,31 @@
-"""Server side of FCR (form client relatedness): from every client's k centroids to a
-client graph A~ and C disjoint clusters.
+"""Server side of FCR (form client relatedness): from every client's k centroids (and
+each centroid's share of the client's samples) to a client graph A~ and C disjoint clusters.
 
-Two named pipelines, and every stage a validated choice (`Relatedness`):
+Named pipelines, and every stage a validated choice (`Relatedness`):
 
+set     (the default: no threshold, no per-dataset knob)
+    the centroids whitened with their pooled covariance (`whiten`; FLT skips it for
+    per-client fine-tuned encoders), A_ij = the energy distance between the clients'
+    share-weighted sets (a squared distance between their kernel mean embeddings), Ward
+    linkage on its root, and C = the finest cut whose every split is real
+    (`split_clusters`: each merge above the cut scores `split_score` >= `min_split`,
+    against the spread inside the final clusters, so nested groups do not hide a finer
+    cut); none is: C = 1. Everything is invariant to scaling the centroids.
+chamfer (the default until Dec 2026)
+    A_ij = symmetric Chamfer distance between the raw centroid sets:
+    (mean_r min_s d_rs + mean_s min_r d_rs) / 2; average linkage; C by the silhouette of
+    A (near-ties within `silhouette_slack` go to the finer cut; a lone client joins its
+    nearest cluster), kept only when that cut's clusters are `min_separation` apart
+    (below); else C = 1.
 paper   (the FLT paper's Algorithm 2, steps 3-4)
     centroids --UMAP--> u-dim points, A_ij = min_{r,s} ||u_ir - u_js|| (the single
     closest pair), A~ = [A <= gamma], Ward on the rows of A~, C at the largest gap
     between successive merge heights.
-set     (the default: no threshold, no per-dataset knob)
-    A_ij = symmetric Chamfer distance between the two clients' centroid *sets* in the
-    encoder's own e-dim space:  (mean_r min_s d_rs + mean_s min_r d_rs) / 2;
-    average linkage on A; C by the silhouette of A (near-ties, within
-    `silhouette_slack`, go to the finer cut; a lone client joins its nearest cluster,
-    since a cluster of one would train alone); C = 1 unless that cut's clusters are
-    `min_separation` apart (below). Average linkage, the silhouette and the separation
-    are invariant to scaling A, so nothing depends on the data's units; a whole-set
-    distance is not fooled by one shared class the way the closest pair is.
 
-Is there structure at all? The separation of a cut is
+The separation of a cut (the chamfer pipeline's test, and reported for every cut) is
     (mean A between clusters - mean A within clusters) / median distance between two centroids,
 how far apart the clusters' clients are, in units of the typical distance between two
-of the encoder's modes (mostly different classes). Clients of different planted groups
-differ by whole classes; clients drawn from one distribution differ only by k-means
-artefacts (which classes one client's k centroids merge) and sampling noise. A
-silhouette floor mixes up the two when clients hold few samples: noise lowers the
-silhouette of real clusters (0.24 with 87 images per client) while artefacts give IID
-clients 0.34 to 0.44. The separation does not: 0.07 to 0.13 for IID clients of four
-datasets, 0.20 and more for every planted grouping the embedding separates
-(benchmarks/bench_fcr_quality.py).
+of the encoder's modes (mostly different classes).
 
 Clients may send different numbers of centroids (k: auto); padding is masked, never
 counted. Everything is vectorized (torch.cdist in row chunks): 2,400 clients take seconds.
@@ -42,6 +40,7 @@ import numpy as np
 import torch
 from scipy.cluster.hierarchy import fcluster, leaves_list, linkage
 from scipy.spatial.distance import pdist, squareform
+from scipy.stats import norm
 from sklearn.metrics import silhouette_score
 
 # the pipelines' knobs and presets are FLT's parameters: they live with them, torch-free (and
@@ -102,15 +101,22 @@ def set_distance(
     chunk: int = 256,
     device: torch.device | None = None,
     classes: list[np.ndarray] | None = None,
+    weights: list[np.ndarray] | None = None,
 ) -> np.ndarray:
     """A_ij between client i's and client j's point sets:
     min: min_{r,s} d_rs (the paper); chamfer: (mean_r min_s d_rs + mean_s min_r d_rs) / 2;
-    hausdorff: max(max_r min_s d_rs, max_s min_r d_rs).
+    hausdorff: max(max_r min_s d_rs, max_s min_r d_rs);
+    energy: 2 mean_{r,s} d_rs - mean_{r,r'} d_rr' - mean_{s,s'} d_ss' (Szekely's energy
+    distance between the two sets as samples: 0 only for equal sets, and every point
+    counts, so it compares whole distributions rather than nearest matches).
 
     With `classes` (one class per point), d_rs between points of different classes gains
     the sets' diameter bound (twice the largest norm), so a point's nearest point in the
     other set is of its own class whenever that set holds it, and a class the other
-    client lacks costs more than any match."""
+    client lacks costs more than any match.
+
+    `weights` (each point's share of its client's samples) make chamfer's and energy's
+    means weighted ones: the sets are then the clients' distributions, summarised."""
     if kind not in DISTANCES:
         raise ValueError(f"distance: {kind!r} is not one of {', '.join(DISTANCES)}")
     u, mask = pad(points)
@@ -123,7 +129,7 @@ def set_distance(
             cls[i, : len(c)] = torch.as_tensor(c, dtype=torch.int64)
         penalty = 2 * float(u.norm(dim=2).max())
     flat, valid = u.reshape(m * k, dim), mask.reshape(m * k)
-    counts = mask.sum(1).to(u.dtype)  # [M]
+    w = _point_weights(weights, mask, u.dtype).to(u.device)  # [M, k], each row sums to 1
     out = torch.empty(m, m, dtype=torch.float64, device=u.device)
     for lo in range(0, m, chunk):
         rows_valid = mask[lo : lo + chunk]  # [c, k]
@@ -136,20 +142,62 @@ def set_distance(
         if kind == "min":
             out[lo : lo + chunk] = d.amin(dim=(1, 3))
             continue
+        wi = w[lo : lo + chunk]  # [c, k]
+        if kind == "energy":  # the weighted mean over all (r, s) pairs; energy follows below
+            d = d.masked_fill(~(rows_valid[:, :, None, None] & valid.view(1, 1, m, k)), 0)
+            out[lo : lo + chunk] = torch.einsum("arbs,ar,bs->ab", d, wi, w)
+            continue
         near_ij = d.amin(dim=3)  # [c, k, M]: each r to j's set
         near_ji = d.amin(dim=1)  # [c, M, k]: each s to i's set
         if kind == "chamfer":
-            a = near_ij.masked_fill(~rows_valid[:, :, None], 0).sum(1) / counts[lo : lo + chunk, None]
-            b = near_ji.masked_fill(~valid.view(1, m, k), 0).sum(2) / counts[None, :]
+            a = (near_ij.masked_fill(~rows_valid[:, :, None], 0) * wi[:, :, None]).sum(1)
+            b = (near_ji.masked_fill(~valid.view(1, m, k), 0) * w[None]).sum(2)
             out[lo : lo + chunk] = (a + b) / 2
         else:
             a = near_ij.masked_fill(~rows_valid[:, :, None], -torch.inf).amax(1)
             b = near_ji.masked_fill(~valid.view(1, m, k), -torch.inf).amax(2)
             out[lo : lo + chunk] = torch.maximum(a, b)
     dist = out.cpu().numpy()
+    if kind == "energy":  # 2 E|X - Y| - E|X - X'| - E|Y - Y'|, >= 0 (the V-statistic)
+        own = np.diag(dist).copy()
+        dist = np.maximum(2 * dist - own[:, None] - own[None, :], 0.0)
     dist = (dist + dist.T) / 2  # exact symmetry (float rounding of the two halves)
     np.fill_diagonal(dist, 0.0)
     return dist
+
+
+def _point_weights(weights: list[np.ndarray] | None, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[M, kmax] weights, each client's summing to 1 (equal when not given; 0 on padding)."""
+    if weights is None:
+        w = mask.to(dtype)
+    else:
+        w = torch.zeros(mask.shape, dtype=dtype)
+        for i, wi in enumerate(weights):  # M short rows, once
+            w[i, : len(wi)] = torch.as_tensor(wi, dtype=dtype)
+    return w / w.sum(1, keepdim=True).clamp_min(1e-12)
+
+
+def whiten(points: list[np.ndarray], weights: list[np.ndarray] | None = None, shrink: float = 0.1) -> list[np.ndarray]:
+    """The clients' points in whitened coordinates: centred on the pooled mean and scaled
+    by the inverse square root of the pooled covariance (each client weighing the same;
+    within a client, by `weights`), shrunk towards its mean eigenvalue by `shrink` so
+    that directions where the points hardly vary are not blown up into noise. An
+    encoder's latent units are not in comparable scales (a few carry most of the
+    variance: brightness and colour, for natural images); after whitening, every
+    direction along which clients differ counts. Server side: it uses only the points."""
+    pooled = np.concatenate(points).astype(np.float64)
+    if weights is None:
+        w = np.concatenate([np.full(len(p), 1.0 / len(p)) for p in points])
+    else:
+        w = np.concatenate([np.asarray(x, np.float64) / max(float(np.sum(x)), 1e-12) for x in weights])
+    w = w / w.sum()
+    mean = w @ pooled
+    centred = pooled - mean
+    cov = (centred * w[:, None]).T @ centred
+    eig, vec = np.linalg.eigh(cov)
+    eig = np.maximum(eig, 0.0) + shrink * max(float(eig.mean()), 1e-12)
+    transform = vec / np.sqrt(eig)
+    return [((p - mean) @ transform).astype(np.float32) for p in points]
 
 
 def min_distance_adjacency(
@@ -184,12 +232,20 @@ def relate(
     max_clusters: int = 20,
     device: torch.device | None = None,
     classes: list[np.ndarray] | None = None,
+    weights: list[np.ndarray] | None = None,
 ) -> Clustering:
     """Steps 3-4 of FCR on already projected points (UMAP is the caller's: it is seeded
     and slow, and the embedding-space pipeline skips it); `classes` (label-conditioned
     centroids) makes the set distance match points of the same class."""
     m = len(points)
-    adj = set_distance(points, how.distance, device=device, classes=classes)
+    # class-by-class matching (k: labels) needs a distance that matches points: the energy
+    # distance compares the sets as wholes, and a label swap leaves the pooled points as
+    # they were, so label-conditioned centroids are compared by Chamfer
+    kind = "chamfer" if classes is not None and how.distance == "energy" else how.distance
+    adj = set_distance(points, kind, device=device, classes=classes, weights=weights)
+    squared = adj if kind == "energy" else adj**2
+    if kind == "energy":  # a squared distance: linkage, silhouette and A~ use its root
+        adj = np.sqrt(adj)
     graph = hard_threshold(adj, how.gamma) if how.gamma is not None else None
     if m < 2:
         return Clustering(np.zeros(m, np.int64), adj, np.ones((m, m), np.float32), np.zeros((0, 4)), 1, None)
@@ -205,6 +261,10 @@ def relate(
         c = max(1, min(int(n_clusters), m))
     elif how.choose == "gap":
         c = gap_clusters(z, cap)
+    elif how.choose == "splits":
+        c = split_clusters(z, squared, cap, how.min_split)
+        if c > 1:  # reported: how far apart the chosen clusters are (module docstring)
+            gap = separation(squared if kind == "energy" else adj, fcluster(z, c, criterion="maxclust") - 1, points)
     else:
         c = silhouette_clusters(z, adj, cap, how.min_silhouette, how.silhouette_slack)
     cut = fcluster(z, c, criterion="maxclust") - 1
@@ -275,6 +335,81 @@ def fold_singletons(labels: np.ndarray, adj: np.ndarray) -> np.ndarray:
     out = labels.copy()
     out[lone] = groups[mean_to[lone].argmin(1)]
     return np.unique(out, return_inverse=True)[1]
+
+
+def split_clusters(z: np.ndarray, adj: np.ndarray, max_clusters: int, min_split: float, min_size: int = 2) -> int:
+    """The finest cut of the dendrogram whose every split is real: the largest C in
+    2..max_clusters (1 when there is none) whose clusters all have `min_size` clients and
+    whose C - 1 merges above them each score `split_score` >= `min_split`. A cut finer
+    than the truth holds a merge of two pieces of one group, which scores like noise;
+    nested groups (two vehicle classes apart from three animal ones) do not hide a finer
+    cut, because each merge is judged against the spread inside the final clusters, not
+    inside the merged halves."""
+    m = len(adj)
+    members = _members(z, m, max_clusters)
+    for c in range(min(max_clusters, m - 1), 1, -1):
+        final = fcluster(z, c, criterion="maxclust") - 1
+        if np.bincount(final).min() < min_size:
+            continue
+        merges = [members[m + i] for i in range(m - 2, m - 1 - c, -1)][::-1]  # smallest first: fail fast
+        if all(split_score(adj, left, right, final) >= min_split for left, right in merges):
+            return c
+    return 1
+
+
+def split_score(adj: np.ndarray, left: np.ndarray, right: np.ndarray, final: np.ndarray) -> float:
+    """How far apart the mean points of two groups of clients are, against what splitting
+    one homogeneous group of their size would give. `adj` holds squared distances between
+    the clients' summaries (energy distance: a squared distance between their kernel mean
+    embeddings), so means and spreads follow from it without coordinates:
+        d2   = mean_{L x R} A - s_L - s_R,     s_S = sum_{S x S} A / (2 |S|^2)
+        null = lambda_1 * (pdf(z_q) / (q (1 - q)))^2,   q = |L| / (|L| + |R|)
+    where lambda_1 is the largest variance of the clients around their own final cluster's
+    mean (kernel PCA of the doubly centred A), and the factor is the squared distance
+    between the two parts' means when a Gaussian is cut at its q-quantile along that
+    direction. Noise scores about 1; a real split scores well above."""
+    both = np.concatenate([left, right])
+    gram = _centred_gram(adj[np.ix_(both, both)], final[both])
+    top = float(np.linalg.eigvalsh(gram)[-1]) if len(both) <= 400 else _top_eigenvalue(gram)
+    lam = max(top / len(both), 1e-12)
+    s_l = adj[np.ix_(left, left)].sum() / (2 * len(left) ** 2)
+    s_r = adj[np.ix_(right, right)].sum() / (2 * len(right) ** 2)
+    d2 = adj[np.ix_(left, right)].mean() - s_l - s_r
+    q = len(left) / len(both)
+    return float(d2 / (lam * (norm.pdf(norm.ppf(q)) / (q * (1 - q))) ** 2))
+
+
+def _centred_gram(adj: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """<x_i - mean of i's group, x_j - mean of j's group> from squared distances."""
+    _, inv = np.unique(groups, return_inverse=True)
+    mean_of = np.eye(inv.max() + 1)[inv]
+    mean_of /= mean_of.sum(0)  # [n, g]: column g averages group g
+    to_group = adj @ mean_of  # [n, g]: mean A from i to group g
+    between = mean_of.T @ to_group  # [g, g]
+    own = to_group[:, inv]
+    return -0.5 * (adj - own - own.T + between[np.ix_(inv, inv)])
+
+
+def _top_eigenvalue(gram: np.ndarray) -> float:
+    from scipy.sparse.linalg import eigsh
+
+    return float(eigsh(gram, k=1, which="LA", return_eigenvectors=False, v0=np.ones(len(gram)))[0])
+
+
+def _members(z: np.ndarray, m: int, top: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """The two sides of each of the `top` highest merges, as client index arrays."""
+
+    def leaves(node: int) -> np.ndarray:
+        out, stack = [], [node]
+        while stack:  # a stack, not recursion: a chain of M merges is M deep
+            n = stack.pop()
+            if n < m:
+                out.append(n)
+            else:
+                stack += [int(z[n - m, 0]), int(z[n - m, 1])]
+        return np.sort(np.array(out, dtype=np.int64))
+
+    return {m + i: (leaves(int(z[i, 0])), leaves(int(z[i, 1]))) for i in range(max(0, len(z) - top), len(z))}
 
 
 def gap_clusters(z: np.ndarray, max_clusters: int) -> int:

@@ -226,15 +226,16 @@ class Federation:
 
     def embed(
         self, rnd: int, clients: np.ndarray, tensors: dict[str, np.ndarray], meta: dict, purpose: str = "fcr"
-    ) -> Exchange[np.ndarray]:
+    ) -> Exchange[tuple[np.ndarray, np.ndarray]]:
         """Send an encoder to each client (once per client, counted as 'encoder' bytes) and
-        collect its k x e centroids; the exchange is priced and reported as `purpose`."""
+        collect its k x e centroids and their k shares of its samples; the exchange is
+        priced and reported as `purpose`."""
         msgs = {
             int(c): EMBED.message(rnd, int(c), tensors, {**meta, "seed": self._seed(rnd, 1)})
             for c in np.asarray(clients).tolist()
         }
         ex = self._exchange(purpose, rnd, msgs, [EMBED], timeout_s=self.timeout_s * 4)
-        return ex.decoded(lambda m: m.tensors["centroids"].copy())
+        return ex.decoded(lambda m: (m.tensors["centroids"].copy(), m.tensors["shares"].astype(np.float64)))
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self, rnd: int) -> dict:

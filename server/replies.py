@@ -131,7 +131,8 @@ MAX_CLASSES = 64  # label-conditioned centroids: at most one row per class (FEMN
 
 
 def centroids_check(sizes: ShardSizes | None, max_k: int = 64, labelled: bool = False) -> Check:
-    """`centroids`: the client's whole training shard embedded, into 1..max_k finite rows;
+    """`centroids`: the client's whole training shard embedded, into 1..max_k finite rows,
+    and `shares`: each row's share of the shard, k fractions that sum to 1;
     `labelled`: each row ends with its class, distinct whole numbers in [0, max_k)."""
 
     def check(client: int, reply: Message) -> tuple[str, str] | None:
@@ -139,10 +140,15 @@ def centroids_check(sizes: ShardSizes | None, max_k: int = 64, labelled: bool = 
         if not _is_int(n) or (expected_n is not None and n != expected_n):
             return "wrong sample count", f"n = {short(n, 24)}, its shard holds {expected_n}"
         c = reply.tensors.get("centroids")
-        if c is None or c.ndim != 2 or not 1 <= c.shape[0] <= max_k or c.dtype.kind != "f" or len(reply.tensors) != 1:
-            return "bad centroids", f"expected one float k x e array, k in 1..{max_k}"
+        if c is None or c.ndim != 2 or not 1 <= c.shape[0] <= max_k or c.dtype.kind != "f" or len(reply.tensors) != 2:
+            return "bad centroids", f"expected one float k x e array, k in 1..{max_k}, and its shares"
         if not np.isfinite(c).all():
             return "non-finite centroids", "NaN or inf in the centroids"
+        w = reply.tensors.get("shares")
+        if w is None or w.shape != (c.shape[0],) or w.dtype.kind != "f" or not np.isfinite(w).all():
+            return "bad shares", f"expected {c.shape[0]} finite float shares, one per centroid"
+        if w.min() < 0 or abs(float(w.sum()) - 1) > 1e-3:
+            return "bad shares", f"shares must be >= 0 and sum to 1 (sum {float(w.sum()):.4g})"
         if labelled:
             cls = c[:, -1]
             if c.shape[1] < 2 or (cls != np.round(cls)).any() or cls.min() < 0 or cls.max() >= max_k:

@@ -133,7 +133,11 @@ class PricedEmbedder:
     def embed(self, rnd, clients, tensors, meta, purpose="fcr") -> Exchange:
         rng = np.random.default_rng(rnd)
         got = {
-            int(c): (np.eye(8)[self.truth[c]] * 5 + 0.1 * rng.normal(size=(3, 8))).astype(np.float32) for c in clients
+            int(c): (
+                (np.eye(8)[self.truth[c]] * 5 + 0.1 * rng.normal(size=(3, 8))).astype(np.float32),
+                np.full(3, 1 / 3),
+            )
+            for c in clients
         }
         return Exchange(
             got,

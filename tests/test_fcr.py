@@ -23,6 +23,9 @@ def slow_distance(points, kind):
                 out[i, j] = d.min()
             elif kind == "chamfer":
                 out[i, j] = (d.min(1).mean() + d.min(0).mean()) / 2
+            elif kind == "energy":
+                own_i, own_j = cdist(points[i], points[i]).mean(), cdist(points[j], points[j]).mean()
+                out[i, j] = 2 * d.mean() - own_i - own_j
             else:
                 out[i, j] = max(d.min(1).max(), d.min(0).max())
     np.fill_diagonal(out, 0.0)
@@ -38,7 +41,9 @@ def test_set_distances_equal_a_double_loop(kind, chunk):
     got = fcr.set_distance(points, kind, chunk=chunk)
     assert np.isfinite(got).all()  # padding never leaks out as inf
     np.testing.assert_allclose(got, got.T)
-    np.testing.assert_allclose(got, slow_distance(points, kind), rtol=1e-10, atol=1e-10)
+    # energy is a difference of means: torch.cdist's rounding (about 1e-7 here) does not cancel
+    tol = 1e-6 if kind == "energy" else 1e-10
+    np.testing.assert_allclose(got, slow_distance(points, kind), rtol=tol, atol=tol)
 
 
 def planted(n_clients=60, n_clusters=5, k=5, dim=16, classes=2, shared=0, seed=0, spread=0.25):
@@ -95,6 +100,7 @@ def test_clients_without_structure_form_one_cluster():
     got = fcr.relate(sets, fcr.PRESETS["set"])
     assert got.n_clusters == 1
     assert got.graph.all()  # everyone related to everyone: Case I becomes FedAvg
+    assert default_relate(sets).n_clusters == 1  # whitened, as FLT runs it
 
 
 def test_clients_that_hold_different_classes_are_grouped_by_them():
@@ -104,8 +110,8 @@ def test_clients_that_hold_different_classes_are_grouped_by_them():
     rng = np.random.default_rng(5)
     centres = rng.normal(size=(10, 16)) * 3
     sets = [centres[rng.choice(10, 5, replace=False)] + 0.25 * rng.normal(size=(5, 16)) for _ in range(40)]
-    got = fcr.relate(sets, fcr.PRESETS["set"])
-    assert got.n_clusters > 1 and got.separation >= fcr.PRESETS["set"].min_separation
+    got = fcr.relate(sets, fcr.PRESETS["chamfer"])
+    assert got.n_clusters > 1 and got.separation >= fcr.PRESETS["chamfer"].min_separation
     same = got.labels[:, None] == got.labels[None, :]
     np.fill_diagonal(same, False)
     assert got.distance[same].mean() < got.distance[got.labels[:, None] != got.labels[None, :]].mean()
@@ -116,11 +122,11 @@ def test_noisy_clusters_are_found_though_their_silhouette_is_low():
     whole classes apart, but their silhouette falls below any fixed floor (0.24 here, as
     with 87 MNIST images per client), so a floor would call them one cluster."""
     sets, truth = planted(n_clients=200, classes=3, shared=1, seed=3, spread=2.5)
-    got = fcr.relate(sets, fcr.PRESETS["set"])
+    got = fcr.relate(sets, fcr.PRESETS["chamfer"])
     assert got.n_clusters == 5
     assert adjusted_rand_score(truth, got.labels) == 1.0
     assert got.silhouette is not None and got.silhouette < 0.3
-    assert got.separation is not None and got.separation >= fcr.PRESETS["set"].min_separation
+    assert got.separation is not None and got.separation >= fcr.PRESETS["chamfer"].min_separation
 
 
 def test_a_negligible_difference_is_no_cluster_however_clean():
@@ -132,9 +138,9 @@ def test_a_negligible_difference_is_no_cluster_however_clean():
     shift = np.zeros((5, 16))
     shift[4, 0] = 0.5
     sets = [centres + (i % 2) * shift + 0.01 * rng.normal(size=(5, 16)) for i in range(40)]
-    two = fcr.relate(sets, fcr.PRESETS["set"], n_clusters=2)
+    two = fcr.relate(sets, fcr.PRESETS["chamfer"], n_clusters=2)
     assert two.silhouette is not None and two.silhouette > 0.5  # above any floor ever used
-    got = fcr.relate(sets, fcr.PRESETS["set"])
+    got = fcr.relate(sets, fcr.PRESETS["chamfer"])
     assert got.n_clusters == 1
     assert got.separation is not None and got.separation < 0.05
     assert got.graph.all()
@@ -143,9 +149,9 @@ def test_a_negligible_difference_is_no_cluster_however_clean():
 def test_a_lone_client_joins_its_nearest_group_instead_of_training_alone():
     sets, truth = planted(n_clients=60, seed=4)
     outlier = sets[0] + 40.0  # far from every class: the dendrogram's last merge
-    alone = fcr.relate([outlier, *sets[1:]], fcr.PRESETS["set"], n_clusters=6)
+    alone = fcr.relate([outlier, *sets[1:]], fcr.PRESETS["chamfer"], n_clusters=6)
     assert np.bincount(alone.labels).min() == 1  # a cut that separates the groups leaves it alone
-    got = fcr.relate([outlier, *sets[1:]], fcr.PRESETS["set"])
+    got = fcr.relate([outlier, *sets[1:]], fcr.PRESETS["chamfer"])
     assert np.bincount(got.labels).min() > 1  # no cluster of one: it joins a group
     assert got.n_clusters == 5
     assert adjusted_rand_score(truth[1:], got.labels[1:]) == 1.0
@@ -200,3 +206,79 @@ def test_ward_linkage_on_a_with_a_given_number_of_clusters():
     got = fcr.relate(sets, how, n_clusters=5)
     assert got.n_clusters == 5 and len(got.linkage) == 49
     assert adjusted_rand_score(truth, got.labels) > 0.9
+
+
+# -- the default: energy distance between share-weighted sets, whitened, Ward, finest real cut --
+def nested(n_per_group=12, supers=3, subs=2, k=5, dim=16, seed=0, sub_gap=1.0, super_gap=8.0, spread=0.1):
+    """supers x subs planted groups, nested: groups of one super-group share a region of
+    the space (CIFAR-10's vehicles and animals), each group holds its own two classes."""
+    rng = np.random.default_rng(seed)
+    sets, truth = [], []
+    for a in range(supers):
+        region = rng.normal(size=dim) * super_gap
+        for b in range(subs):
+            classes = region + rng.normal(size=(2, dim)) * sub_gap
+            for _ in range(n_per_group):
+                pick = classes[np.arange(k) % 2]
+                sets.append(pick + spread * rng.normal(size=(k, dim)))
+                truth.append(a * subs + b)
+    return sets, np.array(truth)
+
+
+def default_relate(sets, weights=None, **kw):
+    """FCR's default as FLT runs it: whiten, then relate."""
+    return fcr.relate(fcr.whiten(sets, weights), fcr.PRESETS["set"], weights=weights, **kw)
+
+
+def test_nested_groups_are_cut_at_the_finest_real_level():
+    """Three well-separated regions, each holding two groups: the coarse cut has the
+    higher silhouette (the old default merged groups), but each of the six groups is
+    real, and the default finds all six."""
+    sets, truth = nested()
+    coarse = fcr.relate(sets, fcr.PRESETS["chamfer"])
+    assert coarse.n_clusters < 6  # the silhouette prefers coarser groups
+    got = default_relate(sets)
+    assert got.n_clusters == 6
+    assert adjusted_rand_score(truth, got.labels) == 1.0
+
+
+def test_shares_shrink_a_k_means_artefact_to_what_it_is():
+    """Two clients of one distribution (two classes, half and half): k-means gives one
+    three centroids on class 0 and two on class 1, the other the reverse. Without shares
+    they look like a 60/40 and a 40/60 mixture; with them, the energy distance left is
+    the quantisation's, a fraction of it."""
+    from sklearn.cluster import KMeans
+
+    rng = np.random.default_rng(3)
+    blobs = [c + rng.normal(size=(400, 16)) for c in rng.normal(size=(2, 16)) * 3]
+
+    def summary(k0, k1):
+        fits = [KMeans(k, n_init=3, random_state=0).fit(b) for k, b in ((k0, blobs[0]), (k1, blobs[1]))]
+        points = np.concatenate([f.cluster_centers_ for f in fits])
+        return points, np.concatenate([np.bincount(f.labels_) / 800 for f in fits])
+
+    (a, wa), (b, wb) = summary(3, 2), summary(2, 3)
+    plain = fcr.set_distance([a, b], "energy")[0, 1]
+    weighted = fcr.set_distance([a, b], "energy", weights=[wa, wb])[0, 1]
+    assert weighted < plain / 4
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+def test_the_new_default_finds_planted_groups_at_any_scale(scale):
+    sets, truth = planted(n_clients=80, classes=3, shared=1, seed=2, spread=1.0)
+    got = default_relate([s * scale for s in sets])
+    assert got.n_clusters == 5
+    assert adjusted_rand_score(truth, got.labels) == 1.0
+
+
+def test_split_scores_are_about_one_for_noise_and_large_for_a_real_split():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(80, 12))  # one homogeneous group
+    adj = cdist(x, x, "sqeuclidean")
+    left, right = np.flatnonzero(x[:, 0] < 0), np.flatnonzero(x[:, 0] >= 0)  # cut along a direction
+    noise = fcr.split_score(adj, left, right, np.where(x[:, 0] < 0, 0, 1))
+    assert 0.3 < noise < 2.0
+    y = x.copy()
+    y[right, 1] += 4.0  # the same halves, now 4 sd apart along another direction
+    adj = cdist(y, y, "sqeuclidean")
+    assert fcr.split_score(adj, left, right, np.where(y[:, 0] < 0, 0, 1)) > 4 * noise

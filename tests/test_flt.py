@@ -78,11 +78,13 @@ def test_onnx_encoder_bytes_are_counted_once_per_client(quickstart_run):
     assert pay["down"]["encoder"] == CLIENTS * f["encoder_bytes"]
     assert pay["up"]["encoder"] == 0
     assert f["latent"] == 128
-    assert pay["up"]["embedding"] == f["centroids_sent"] * 128 * 4
+    assert pay["up"]["embedding"] == f["centroids_sent"] * (128 + 1) * 4  # each centroid and its share
     assert f["centroids_sent"] >= CLIENTS  # at least one centroid per client (k: auto)
     # M*W_enc + k*M*e + 2*rho*M*W_local*T, with rho*M*T the selections made
     assert m["selections"] == 0.5 * CLIENTS * 3
-    expected = CLIENTS * f["encoder_bytes"] + f["centroids_sent"] * 128 * 4 + 2 * m["selections"] * m["model_bytes"]
+    expected = (
+        CLIENTS * f["encoder_bytes"] + f["centroids_sent"] * (128 + 1) * 4 + 2 * m["selections"] * m["model_bytes"]
+    )
     assert m["expected"]["bytes"] == expected
     assert pay["up"]["model"] + pay["down"]["model"] == 2 * m["selections"] * m["model_bytes"]
     assert m["bytes_vs_formula"] == 1.0
@@ -199,7 +201,7 @@ class Embedder:
         self.calls.append((rnd, clients))
         rng = np.random.default_rng(rnd)
         got = {
-            c: (np.eye(8)[self.truth[c]] * 5 + 0.1 * rng.normal(size=(3, 8))).astype(np.float32)
+            c: ((np.eye(8)[self.truth[c]] * 5 + 0.1 * rng.normal(size=(3, 8))).astype(np.float32), np.full(3, 1 / 3))
             for c in clients
             if c not in self.silent
         }

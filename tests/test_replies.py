@@ -98,7 +98,25 @@ def test_evaluation_totals_must_match_the_test_shard(correct, total, ok):
     ],
 )
 def test_centroids_are_checked(centroids, n, reason):
+    shares = np.full(len(centroids), 1 / len(centroids), np.float32)
     got = centroids_check(SIZES, max_k=10)(
-        3, Message("centroids", 1, 3, tensors={"centroids": centroids}, meta={"n": n})
+        3, Message("centroids", 1, 3, tensors={"centroids": centroids, "shares": shares}, meta={"n": n})
     )
     assert (got and got[0]) == reason
+
+
+@pytest.mark.parametrize(
+    "shares, problem",
+    [
+        (None, "bad centroids"),  # not there: the reply is not the two arrays it must be
+        (np.full(4, 0.25, np.float32), "bad shares"),  # one fewer than the centroids
+        (np.full(5, 0.3, np.float32), "bad shares"),  # sum 1.5
+        (np.array([1.2, -0.2, 0, 0, 0], np.float32), "bad shares"),
+        (np.array([np.nan, 1, 0, 0, 0], np.float32), "bad shares"),
+        (np.array([0.5, 0.5, 0, 0, 0], np.float32), None),
+    ],
+)
+def test_centroid_shares_are_checked(shares, problem):
+    tensors = {"centroids": np.ones((5, 8), np.float32)} | ({} if shares is None else {"shares": shares})
+    got = centroids_check(SIZES, max_k=10)(3, Message("centroids", 1, 3, tensors=tensors, meta={"n": 50}))
+    assert (got and got[0]) == problem

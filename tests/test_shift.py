@@ -171,8 +171,9 @@ def test_label_means_are_one_row_per_class_with_its_class_last():
     from flt.devices.embedding import label_means
 
     emb = np.array([[0.0, 2.0], [2.0, 2.0], [10.0, 0.0]], np.float32)
-    rows = label_means(emb, np.array([7, 7, 3]))
+    rows, shares = label_means(emb, np.array([7, 7, 3]))
     assert rows.tolist() == [[10.0, 0.0, 3.0], [1.0, 2.0, 7.0]]
+    np.testing.assert_allclose(shares, [1 / 3, 2 / 3])
 
 
 def test_class_matched_set_distance_sees_a_label_swap_that_chamfer_cannot():
@@ -198,7 +199,10 @@ def test_labelled_centroids_are_checked_before_use():
     check = centroids_check(lambda c: (3, 1), 64, labelled=True)
 
     def reply(rows):
-        return Message("centroids", 0, 1, tensors={"centroids": np.array(rows, np.float32)}, meta={"n": 3})
+        shares = np.full(len(rows), 1 / len(rows), np.float32)
+        return Message(
+            "centroids", 0, 1, tensors={"centroids": np.array(rows, np.float32), "shares": shares}, meta={"n": 3}
+        )
 
     assert check(1, reply([[0.1, 0.2, 3.0], [0.3, 0.1, 5.0]])) is None
     assert check(1, reply([[0.1, 0.2, 3.5]]))[0] == "bad centroid classes"

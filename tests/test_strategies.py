@@ -429,8 +429,12 @@ class FakeFederation:
         out = {}
         for c in clients:
             centre = float(self.targets[c][0]) * torch.ones(e)
-            out[int(c)] = (centre + 0.1 * torch.randn(meta["k"], e, generator=g)).numpy()
-            self._count("up", "embedding", out[int(c)].nbytes)
+            cents, shares = (
+                (centre + 0.1 * torch.randn(meta["k"], e, generator=g)).numpy(),
+                np.full(meta["k"], 0.2, np.float32),
+            )
+            out[int(c)] = (cents, shares)
+            self._count("up", "embedding", cents.nbytes + shares.nbytes)
         return Exchange(out, sorted(out), {"bytes": {}})
 
 

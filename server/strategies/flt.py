@@ -84,6 +84,7 @@ class FLT(Reclustering):
         self.models = self.on(ctx.init.clone())[None].expand(1 if case2 else m, -1).clone()
         self.centroids: dict[int, np.ndarray] = {}
         self.centroid_classes: dict[int, np.ndarray] = {}  # k: labels, the class of each centroid
+        self.centroid_shares: dict[int, np.ndarray] = {}  # each centroid's share of its client's samples
         self.flag_round: dict[int, int] = {}  # outstanding data-change flags: client -> round first seen
         self.monitored: set[int] = set()  # of those, flagged by the server-side monitor
         self.payload_bytes, self.centroids_sent, self.encoders_sent = 0, 0, 0
@@ -115,7 +116,8 @@ class FLT(Reclustering):
         that re-embedded has no outstanding flag any more. Returns the exchange (who
         answered, its bytes and emulated seconds), reported as `purpose`."""
         ex = fed.embed(rnd, np.asarray(clients), self.payload, self.payload_meta, purpose)
-        got = ex.results
+        got = {c: v[0] for c, v in ex.results.items()}
+        self.centroid_shares.update({c: v[1] for c, v in ex.results.items()})
         if self.params["k"] == "labels":  # rows are [mean embedding, class]
             self.centroid_classes.update({c: v[:, -1].astype(np.int64) for c, v in got.items()})
             got = {c: np.ascontiguousarray(v[:, :-1]) for c, v in got.items()}
@@ -127,14 +129,26 @@ class FLT(Reclustering):
             self.monitored.discard(c)
         return ex
 
+    def _shares(self, client: int) -> np.ndarray:
+        """A centroid's share of its client's samples (equal shares for centroids kept from
+        before clients sent them)."""
+        k = len(self.centroids[client])
+        return self.centroid_shares.get(client, np.full(k, 1.0 / k))
+
     def encoder_payload(self) -> tuple[dict, dict, dict]:
         """What travels down for FCR (the recipe's payload: ONNX bytes, an autoencoder, a
         PCA basis), its meta and a report of the encoder."""
         return self.RECIPE.payload(self.ctx, self.params)
 
-    def project(self, points: list[np.ndarray]) -> list[np.ndarray]:
+    def project(self, points: list[np.ndarray], weights: list[np.ndarray] | None = None) -> list[np.ndarray]:
         if self.how.space == "embedding":
             return points
+        if self.how.space == "whitened":
+            # each client fine-tuned its own copy of the encoder (Enc2): no coordinates are
+            # shared beyond the starting point, so pooled statistics would mix them
+            if self.payload_meta.get("format") == "autoencoder":
+                return points
+            return fcr.whiten(points, weights)
         u = self.params["umap"]
         return fcr.umap_project(
             points, u["n_components"], u["n_neighbors"], u["min_dist"], u["metric"], seed=self.ctx.seed
@@ -148,12 +162,19 @@ class FLT(Reclustering):
         report (also appended by the caller)."""
         tic = time.perf_counter()
         clients = np.array(sorted(c for c in np.asarray(clients).tolist() if c in self.centroids))
-        points = self.project([self.centroids[c] for c in clients])
+        shares = [self._shares(c) for c in clients]
+        points = self.project([self.centroids[c] for c in clients], shares)
         how = self.RECIPE.threshold(self.how, points, self.params, self.ctx.device)
         self.gamma_used = how.gamma
         classes = [self.centroid_classes[c] for c in clients] if self.centroid_classes else None
         found = fcr.relate(
-            points, how, self.params["clusters"], self.params["max_clusters"], self.ctx.device, classes=classes
+            points,
+            how,
+            self.params["clusters"],
+            self.params["max_clusters"],
+            self.ctx.device,
+            classes=classes,
+            weights=shares,
         )
         labels = np.full(self.ctx.n_clients, -1, dtype=np.int64)
         graph = np.eye(self.ctx.n_clients, dtype=np.float32)
@@ -187,7 +208,7 @@ class FLT(Reclustering):
             "mean_degree": float(graph[np.ix_(clients, clients)].sum(1).mean()),
             "n_clients": int(len(clients)),
             "latent": int(points[0].shape[1])
-            if self.how.space == "embedding"
+            if self.how.space != "umap"
             else int(next(iter(self.centroids.values())).shape[1]),
             "centroids_sent": self.centroids_sent,
             "encoder_bytes": self.payload_bytes,
@@ -206,6 +227,7 @@ class FLT(Reclustering):
             "points": np.concatenate(points),
             "owner": np.repeat(clients, [len(p) for p in points]),
             "centroids": np.concatenate([self.centroids[c] for c in clients]),
+            "shares": np.concatenate(shares),
         }
         if classes is not None:  # k: labels, each centroid's class
             arrays["classes"] = np.concatenate(classes)
@@ -327,9 +349,9 @@ class FLT(Reclustering):
         # M*W_enc counts one encoder per client; re-clustering sends it again to re-embedders
         latent = self.fcr_reports[0]["latent"] if self.fcr_reports else 0
         return {
-            "formula": "M*W_enc + k*M*e + 2*rho*M*W_local*T",
+            "formula": "M*W_enc + k*M*(e+1) + 2*rho*M*W_local*T",  # + 1: each centroid's share
             "bytes": self.encoders_sent * self.payload_bytes
-            + self.centroids_sent * latent * 4
+            + self.centroids_sent * (latent + (self.params["k"] == "labels") + 1) * 4  # class column, share
             + 2 * selections * model_bytes,
         }
 
