@@ -35,16 +35,19 @@ def test_every_scenario_file_validates_and_names_shared_data(path):
         assert Path(root).is_relative_to(SHARED_DATA), root
 
 
-def test_ablation_files_are_the_generator_output():
-    grid = make_grid.grid()
+@pytest.mark.parametrize("dataset", ["mnist", "cifar10"])
+def test_ablation_files_are_the_generator_output(dataset):
+    grid, folder = make_grid.grid(dataset), make_grid.FOLDER[dataset]
     assert len(grid) == 16
-    on_disk = {p.name: p.read_text() for p in (SCENARIOS / "ablation").glob("*.yaml")}
+    on_disk = {p.name: p.read_text() for p in folder.glob("*.yaml")}
     assert on_disk == grid, "run python scenarios/ablation/make_grid.py"
+    configs = [load(folder / n) for n in grid]
     values = {
         (c["partition"]["clients"], c["train"]["participation"], c["train"]["local_epochs"], c["train"]["rounds"])
-        for c in (load(SCENARIOS / "ablation" / n) for n in grid)
+        for c in configs
     }
     assert values == {(m, r, e, t) for m in (100, 500) for r in (0.2, 0.5) for e in (1, 5) for t in (50, 100)}
+    assert {c["data"]["dataset"] for c in configs} == {"cifar10_jpg" if dataset == "cifar10" else dataset}
 
 
 def test_fit_shape_gives_grey_images_the_clients_colour_shape():
