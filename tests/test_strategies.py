@@ -18,6 +18,7 @@ from flt.server.ops import TRAIN, TRAIN_BEST, TRAIN_RESIDENT
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context, Result
 from flt.server.strategies.cfl import CFL
+from flt.server.strategies.fedavg import FedAvg
 from flt.server.strategies.fedgroup import FedGroup
 from flt.server.strategies.fedprox import FedProx
 from flt.server.strategies.fedsem import FedSEM
@@ -64,6 +65,24 @@ def test_fedprox_sends_mu_and_averages(tmp_path):
     models, rows = s.eval_models(np.arange(4))
     assert torch.allclose(models[0], 2.5 * torch.ones(P)) and (rows == 0).all()
     assert s.expected_bytes(10, 100)["bytes"] == 2000
+
+
+def test_fedavg_pool_all_averages_every_clients_latest_model(tmp_path):
+    """The authors' `all_clients` aggregation: stale rows (and the initial model of clients
+    never selected) count, weighted by n; the default averages only this round's returns."""
+    n_train = np.arange(1, 5)
+    ctx = make_ctx(tmp_path, m=4, n_train=n_train)
+    pool, plain = FedAvg(ctx, pool="all"), FedAvg(ctx)
+    ones, twos = torch.ones(P), 2 * torch.ones(P)
+    for s in (pool, plain):
+        s.aggregate(1, {0: result(ones, n=1), 2: result(twos, n=3)})
+    expect = (1 * ones + 2 * ctx.init + 3 * twos + 4 * ctx.init) / n_train.sum()
+    assert torch.allclose(pool.global_model, expect)
+    assert torch.allclose(plain.global_model, (ones + 3 * twos) / 4)
+    pool.aggregate(2, {1: result(3 * ones, n=2)})  # client 0 and 2 keep their round-1 rows
+    assert torch.allclose(pool.global_model, (1 * ones + 2 * 3 * ones + 3 * twos + 4 * ctx.init) / n_train.sum())
+    with pytest.raises(ConfigError, match="pool"):
+        FedAvg(ctx, pool="everyone")
 
 
 def test_local_sends_init_once_then_nothing(tmp_path):

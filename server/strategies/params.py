@@ -310,7 +310,19 @@ PCA_KM_HC = {
 
 
 # -- FedProx -----------------------------------------------------------------------------
+FEDAVG = {
+    "pool": Field(
+        str,
+        "selected",
+        "what the server averages: 'selected', the models returned this round (McMahan et al.'s "
+        "Algorithm 1, the FLT paper's text); 'all', every client's latest model, the initial one "
+        "until it first trains (the FLT authors' code, all_clients: True)",
+        choices=("selected", "all"),
+    ),
+}
+
 FEDPROX = {
+    **FEDAVG,
     "mu": Field(
         float,
         0.01,
@@ -431,7 +443,7 @@ class Method(NamedTuple):
 
 
 METHODS = {
-    "fedavg": Method("flt.server.strategies.fedavg", "FedAvg", {}),
+    "fedavg": Method("flt.server.strategies.fedavg", "FedAvg", FEDAVG),
     "fedprox": Method("flt.server.strategies.fedprox", "FedProx", FEDPROX),
     "local": Method("flt.server.strategies.local", "Local", {}),
     "flt": Method("flt.server.strategies.flt", "FLT", FLT, check_flt),
