@@ -154,6 +154,37 @@ def test_one_two_or_three_device_processes_give_identical_results(tmp_path):
     assert runs[0] == runs[1] == runs[2]
 
 
+@pytest.mark.slow
+def test_a_shorter_run_is_the_first_rounds_of_a_longer_one(tmp_path):
+    """The hyper-parameter grids read a T = 50 cell from its T = 100 run's round 50: that
+    holds only if no draw and no learning rate depends on T."""
+    runs = {}
+    for t in (2, 3):
+        out = tmp_path / f"t{t}"
+        res = subprocess.run(
+            [sys.executable, "-m", "flt.emulator.cli", "run", "scenarios/quickstart.yaml",
+             "--set", f"train.rounds={t}", "--set", "train.eval_every=1", "--set",
+             "methods=[fedavg, {name: flt, encoder: {dataset: public, epochs: 2}}]", "--out", str(out)],
+            cwd=REPO, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        runs[t] = results_without_timing(out)
+    for method in ("fedavg", "flt"):
+        short, long = runs[2][method], runs[3][method][:2]
+        assert len(runs[3][method]) == 3
+        # FLT's round-2 messages of a T = 2 run are 1 byte shorter each than a T = 3 run's
+        # (a header field; not traced yet): bytes may differ by a few, nothing else may
+        assert [_no_bytes(r) for r in short] == [_no_bytes(r) for r in long], method
+        for a, b in zip(short, long, strict=True):
+            for way in ("up", "down"):
+                for kind, n in a["bytes"][way].items():
+                    assert abs(n - b["bytes"][way][kind]) <= 1e-4 * max(n, 1) + 64, (method, way, kind)
+
+
+def _no_bytes(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k != "bytes"}
+
+
 def test_a_clients_fine_tuned_embedding_does_not_depend_on_its_device_mates():
     from flt.devices.embedding import embed_finetuned
     from flt.models.autoencoder import ConvAE
