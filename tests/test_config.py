@@ -144,7 +144,7 @@ def test_overrides_are_applied_and_resolved_config_is_saved(one_round_run):
     saved = yaml.safe_load((one_round_run / "config.yaml").read_text())
     assert saved["train"]["rounds"] == 1
     assert saved["train"]["batch_size"] == 10
-    assert saved["methods"] == [{"name": "fedavg", "label": "fedavg"}]
+    assert saved["methods"] == [{"name": "fedavg", "label": "fedavg", "pool": "selected"}]  # defaults filled
     # the saved config runs again as it is
     assert config.load(one_round_run / "config.yaml")["train"]["rounds"] == 1
     # defaults the quickstart does not mention are filled in
