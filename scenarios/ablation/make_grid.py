@@ -66,11 +66,8 @@ HEADER = {
 """,
 }
 
-BODY = {
-    "mnist": """\
-name: {name}
-seed: 0
-data: {{dataset: mnist, root: ../../../shared/data}}
+# S2: five clusters of three classes, neighbours sharing one (both grids)
+S2_PARTITION = """\
 partition:
   kind: clusters
   clients: {m}
@@ -79,6 +76,16 @@ partition:
   shared_classes: 1
   samples_per_client: {n}
   test_per_client: {n_test}
+"""
+
+BODY = {
+    "mnist": """\
+name: {name}
+seed: 0
+data: {{dataset: mnist, root: ../../../shared/data}}
+"""
+    + S2_PARTITION
+    + """\
 model: mlp
 train: {{rounds: {t}, participation: {rho}, local_epochs: {e}, batch_size: 10, lr: 0.01, eval_every: 5,
         target_accuracy: 90}}
@@ -96,14 +103,9 @@ methods:
 name: {name}
 seed: 0
 data: {{dataset: cifar10_jpg, root: ../../../shared/data/cifar10-jpg}}
-partition:
-  kind: clusters
-  clients: {m}
-  clusters: 5
-  classes_per_cluster: 3
-  shared_classes: 1
-  samples_per_client: {n}
-  test_per_client: {n_test}
+"""
+    + S2_PARTITION
+    + """\
   public_fraction: 0.1
 model: cifar_cnn
 train: {{rounds: {t}, participation: {rho}, local_epochs: {e}, batch_size: 10, lr: 0.01, eval_every: 10,
