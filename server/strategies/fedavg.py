@@ -6,9 +6,9 @@ SGD with batch B on its own data, and returns w_{t+1}^k. The server sets
 w_{t+1} = sum_k (n_k / n) w_{t+1}^k over the clients that returned.
 
 `pool: all` is the FLT authors' code instead (github.com/hjraad/FLT: `all_clients: True` in
-its configurations for the paper's scenarios, FedAvg and FLT alike): the server keeps every client's latest model (the
-initial one until the client first trains), replaces the rows of the clients that returned,
-and averages all M rows weighted by n_k. The clients not selected this round thus hold the
+its configurations for the paper's scenarios, FedAvg and FLT alike): the server keeps every
+client's latest model (the initial one until the client first trains), replaces the rows
+of the clients that returned, and averages all M rows weighted by n_k. The clients not selected this round thus hold the
 global model back: in effect a server step of about rho per round. It is not the paper's
 text (its Algorithm 1 averages the selected clients), so it is an option, off by default.
 """
