@@ -150,6 +150,16 @@ SUITE = [
             ("s2", S2, 100, (0, 1)),
         )
     ],
+    # the CIFAR-10 grid's M = 500 (scenarios/ablation_cifar10): 66 images a client, all there is
+    Case(
+        "cifar10-s2-m500-enc1",
+        "cifar10_jpg",
+        {**S2, "clients": 500, "samples_per_client": 66},
+        ENC_PUBLIC,
+        (0, 1),
+        root=str(DATA / "cifar10-jpg"),
+        public_fraction=0.1,
+    ),
     *[
         Case(
             f"femnist-structured-c{c}",
