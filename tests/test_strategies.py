@@ -220,6 +220,44 @@ def test_fedsem_waits_for_k_models_before_init(tmp_path):
     assert torch.allclose(s.train_tasks(2, np.array([4]))[4].models[0], 2 * torch.ones(P))
 
 
+def test_fedsem_pool_all_clusters_every_clients_latest_model(tmp_path):
+    """The authors' multi_center: k-means over all M latest models (the initial model, then
+    the client's centre, for clients not selected), every client assigned, each centre
+    the n-weighted mean of its members' rows; the paper's default sees only the returns."""
+    m = 8
+    truth = np.array([0] * 4 + [1] * 4)
+    n_train = np.arange(1, m + 1)
+    ctx = make_ctx(tmp_path, m=m, truth=truth, n_train=n_train, seed=2)
+    pool, paper = FedSEM(ctx, centers=2, pool="all"), FedSEM(ctx, centers=2)
+    far = torch.full((P,), 10.0)
+    returned = {0: result(ctx.init + 0.01, 1), 5: result(far, 6), 6: result(far + 0.02, 7)}
+    for s in (pool, paper):
+        s.aggregate(1, returned)
+    assert (paper.assign[[1, 2, 3, 4, 7]] == -1).all()  # the paper: only returned clients are assigned
+    assert (pool.assign >= 0).all()  # pooled: the six still at the initial model are clustered too
+    first = (pool.assign.copy(), pool.centres.clone())
+    near, away = pool.assign[0], pool.assign[5]
+    assert near != away and pool.assign[6] == away and (pool.assign[[1, 2, 3, 4, 7]] == near).all()
+    rows = torch.stack([ctx.init + 0.01 if c == 0 else ctx.init for c in (0, 1, 2, 3, 4, 7)])
+    w = torch.tensor([1.0, 2, 3, 4, 5, 8])
+    assert torch.allclose(pool.centres[near], (w[:, None] * rows).sum(0) / w.sum(), atol=1e-5)
+    assert torch.allclose(pool.centres[away], (6 * far + 7 * (far + 0.02)) / 13, atol=1e-5)
+    # round 2: client 1 jumps to the far group; the others hold their centres' rows
+    before = pool.centres.clone()
+    pool.aggregate(2, {1: result(far, 2)})
+    assert pool.assign[1] == away
+    mass = 6 + 7 + 2
+    expect = (6 * before[away] + 7 * before[away] + 2 * far) / mass
+    assert torch.allclose(pool.centres[away], expect, atol=1e-5)
+    models, rows_of = pool.eval_models(np.arange(m))
+    assert torch.equal(models[rows_of[1]], pool.centres[away])
+    again = FedSEM(ctx, centers=2, pool="all")  # seeded k-means: the same clustering
+    again.aggregate(1, returned)
+    assert np.array_equal(again.assign, first[0]) and torch.equal(again.centres, first[1])
+    with pytest.raises(ConfigError, match="pool"):
+        FedSEM(ctx, pool="everyone")
+
+
 # -- CFL ---------------------------------------------------------------------------------
 def run_cfl(s, updates_for, rounds, m, rng, frac=1.0, start=1):
     for rnd in range(start, start + rounds):

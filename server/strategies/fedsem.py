@@ -24,6 +24,18 @@ Choices made where the paper leaves room:
   clients assigned to k: the centre that best represents the population as a whole.
   The same centre is its evaluation model until it is assigned.
 
+`pool: all` is the FLT authors' code instead (github.com/hjraad/FLT, base_fed_learning/
+main_fed.py: `multi_center` with `all_clients: True`), offered to measure how far their
+FedSEM figures owe to it; off by default. Every client holds a latest model: the initial
+one until the first round, then its centre. Each round the returned models replace their
+clients' rows, and k-means runs over all M rows (the first time k-means++ with 20 seeded
+restarts, then warm-started from the current centres, one start); every client, selected
+or not, is assigned, and each centre becomes its members' sample-weighted average of those
+M rows, so the clients not selected this round hold their centre back (a server step of
+about rho, as in FedAvg's `pool: all`). Not copied: their average is updated in place
+client by client, so a client later in the list averages its predecessors' averages; here
+each centre is one weighted average of the rows as they were.
+
 Traffic: one model down and one up per selection, 2*rho*M*W_local*T.
 """
 
@@ -31,6 +43,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from sklearn.cluster import KMeans
 
 from flt.server.strategies.base import (
     Result,
@@ -59,6 +72,7 @@ class FedSEM(Strategy):
         self.assign = np.full(ctx.n_clients, -1, dtype=np.int64)
         self.init_round: int | None = None
         self.moves = 0  # re-assignments that changed centre
+        self.pool_all = self.params.get("pool") == "all"  # FeSEM (soft) has no pool: the paper's steps
 
     # -- helpers ------------------------------------------------------------------------
     def kmeanspp(self, models: torch.Tensor) -> torch.Tensor:
@@ -112,6 +126,9 @@ class FedSEM(Strategy):
             return
         clients = sorted(results)
         models, n = stack(results, clients)  # [s, P], [s]
+        if self.pool_all:
+            self.aggregate_pool(rnd, clients, models)
+            return
         if self.centres is None:
             if len(clients) < self.k:
                 self.global_model = weighted_average(models, n)
@@ -120,6 +137,28 @@ class FedSEM(Strategy):
             self.init_round = int(rnd)
         # M-step: per-centre sample-weighted average of this round's members
         self.centres = cluster_average(models, n, self.e_step(rnd, clients, models), keep=self.centres)
+
+    def aggregate_pool(self, rnd: int, clients: list[int], models: torch.Tensor) -> None:
+        """`pool: all` (module docstring): k-means over every client's latest model."""
+        m = self.ctx.n_clients
+        if self.centres is None:
+            latest = self.global_model[None].expand(m, -1).clone()
+        else:
+            latest = self.centres[torch.as_tensor(self.assign, device=self.centres.device)]
+        latest[torch.as_tensor(clients, device=latest.device)] = models
+        rows, k = latest.detach().cpu().numpy(), min(self.k, m)  # k < K only with fewer clients than centres
+        if self.centres is None:
+            self.init_round = int(rnd)
+            km = KMeans(k, init="k-means++", n_init=20, random_state=int(self.rng.integers(2**31 - 1)))
+        else:
+            km = KMeans(k, init=self.centres[:k].detach().cpu().numpy().astype(rows.dtype), n_init=1)
+        old = self.assign.copy()
+        if self.centres is None or rnd % self.every == 0:
+            self.assign = km.fit(rows).labels_.astype(np.int64)
+        self.moves += int(((old >= 0) & (self.assign != old)).sum())
+        n_all = self.on(torch.as_tensor(self.ctx.n_train))
+        keep = self.centres if self.centres is not None else latest[torch.arange(self.k) % m]
+        self.centres = cluster_average(latest, n_all, one_hot(self.assign, self.k, latest), keep=keep)
 
     def e_step(self, rnd: int, clients: list[int], models: torch.Tensor) -> torch.Tensor:
         """Responsibilities [K, s] of this round's models; every client's centre becomes

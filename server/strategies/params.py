@@ -403,12 +403,20 @@ FEDSEM = {
         "centre initialisation: k-means++-style seeded pick among the first round's returned models",
         choices=("random_clients",),
     ),
+    "pool": Field(
+        str,
+        "selected",
+        "what the E- and M-steps see: 'selected', the models returned this round (the FedSEM paper's "
+        "Algorithm 1); 'all', every client's latest model, k-means over all M each round (the FLT authors' "
+        "code, multi_center with all_clients: True)",
+        choices=("selected", "all"),
+    ),
 }
 
 
 # -- FeSEM (soft) ------------------------------------------------------------------------
 FESEM_SOFT = {
-    **FEDSEM,
+    **{k: v for k, v in FEDSEM.items() if k != "pool"},  # its soft E-step is the paper's, on the returned models
     "temperature": Field(
         float,
         0.1,
