@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import zmq
 
+from flt.common.determinism import deterministic_kernels
 from flt.common.heap import limit_heap_retention, skip_triton
 from flt.common.keys import Credentials, HandshakeWatch
 from flt.common.wire import Message, ProtocolError, decode, encode
@@ -356,6 +357,7 @@ def accelerator(choice: str, name: str) -> torch.device:
             f"devices.accelerator is cuda, but device {name} has no CUDA GPU "
             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda})"
         )
+    deterministic_kernels(torch.device("cuda"))
     return torch.device("cuda")
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flt.common.determinism import deterministic_kernels
 from flt.common.errors import DeviceError, short
 from flt.common.schema import ConfigError
 from flt.common.wire import Message
@@ -128,7 +129,9 @@ def check_device_ops(cfg: dict) -> None:
 
 
 def aggregation_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    deterministic_kernels(device)  # the encoder's pretraining runs here too
+    return device
 
 
 def assign_meta(cfg: dict, model_spec: dict) -> dict:

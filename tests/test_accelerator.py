@@ -3,6 +3,7 @@ clearly when asked and unable. The CUDA tests run where torch sees a GPU and ski
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from test_end_to_end import QUICKSTART, flt  # tests/ is on sys.path under pytest
@@ -118,3 +119,43 @@ def test_a_scenario_accepts_auto_or_a_bool_for_vectorize_and_names_the_field_oth
         assert config.load(QUICKSTART, [f"train.vectorize={value}"])["train"]["vectorize"] in ("auto", True, False)
     with pytest.raises(ConfigError, match=r"train\.vectorize"):
         config.load(QUICKSTART, ["train.vectorize=fast"])
+
+
+def test_asking_for_a_gpu_asks_torch_for_deterministic_kernels():
+    """A GPU run must repeat bit for bit: accelerator('cuda') turns cuDNN's kernel search
+    off and its deterministic kernels on (in a child process: the flags are global)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import os, torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "from flt.devices.device import accelerator\n"
+        "from flt.emulator.session import aggregation_device\n"
+        "before = (torch.backends.cudnn.deterministic, torch.are_deterministic_algorithms_enabled())\n"
+        "accelerator('cpu', 'dev-0')\n"
+        "cpu = (torch.backends.cudnn.deterministic, torch.are_deterministic_algorithms_enabled())\n"
+        "accelerator('cuda', 'dev-0')\n"
+        "print(before, cpu, torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,\n"
+        "      torch.are_deterministic_algorithms_enabled(), os.environ.get('CUBLAS_WORKSPACE_CONFIG'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["(False,", "False)", "(False,", "False)", "True", "False", "True", ":4096:8"]
+
+
+@cuda
+def test_gpu_fine_tuning_repeats_bit_for_bit():
+    """Enc2's per-client fine-tuning (transposed convolutions) twice on the GPU: the same bits."""
+    from flt.devices.embedding import embed_finetuned
+    from flt.models.autoencoder import ConvAE
+
+    accelerator("cuda", "dev-0")
+    torch.manual_seed(0)
+    weights = flatten(ConvAE((3, 32, 32), 16)).numpy()
+    meta = {"in_shape": [3, 32, 32], "latent": 16, "finetune": {"epochs": 2, "batch_size": 10, "lr": 1e-3}}
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.rand(n, 3, 32, 32, generator=g).cuda() for n in (60, 45, 50)]
+    runs = [embed_finetuned(weights, meta, xs, [client_generator(9, c) for c in range(3)]) for _ in range(2)]
+    for a, b in zip(*runs, strict=True):
+        np.testing.assert_array_equal(a, b)
