@@ -63,7 +63,12 @@ PARTITION = {
     "samples_per_client": Field(int, 600, "training samples per client", min=1),
     "test_per_client": Field(int, 100, "test samples per client, from its own classes", min=1),
     "on_short": Field(
-        str, "take", "when a class has too few images: take what exists, or fail", choices=("take", "fail")
+        str,
+        "take",
+        "kind clusters, when a class has too few images for its holders: take (split what exists), fail, or "
+        "share (each cluster holding it splits all of it: clients in different clusters share images, as "
+        "the FLT authors' sampler does)",
+        choices=("take", "fail", "share"),
     ),
     "alpha": Field(float, 0.5, "Dirichlet concentration / structured size offset", min=0, open_min=True),
     "delta": Field(float, 0.5, "structured quantity-skew exponent", min=0),

@@ -250,11 +250,21 @@ def _describe(need: np.ndarray, give: np.ndarray, avail: int, c: int, what: str)
     )
 
 
-def _take(y: np.ndarray, need: np.ndarray, rng: np.random.Generator, mask_out: np.ndarray, what: str):
+def _take(
+    y: np.ndarray,
+    need: np.ndarray,
+    rng: np.random.Generator,
+    mask_out: np.ndarray,
+    what: str,
+    share_groups: np.ndarray | None = None,
+):
     """Draw ``need[m, c]`` samples of class c for every client m, without duplication.
 
     Per class: shuffle the available indices, cap the requests fairly, and hand out
-    consecutive slices. Returns (owner ids, indices, given counts [M, K], shortage notes).
+    consecutive slices. With ``share_groups`` (a group id per client), a class too short
+    for all its holders is handed out once per group instead, every group from the same
+    shuffled images: holders in one group never share an image, holders in different
+    groups do. Returns (owner ids, indices, given counts [M, K], shortage notes).
     """
     n_clients, k = need.shape
     owners, idx, notes = [], [], []
@@ -264,12 +274,23 @@ def _take(y: np.ndarray, need: np.ndarray, rng: np.random.Generator, mask_out: n
         if not col.any():
             continue
         pool = rng.permutation(np.flatnonzero((y == c) & ~mask_out))
-        give = _fair_shares(col, len(pool))
+        short = col.sum() > len(pool)
+        groups = [np.arange(n_clients)]
+        if short and share_groups is not None:
+            groups = [np.flatnonzero(share_groups == g) for g in np.unique(share_groups[col > 0])]
+        give = np.zeros_like(col)
+        for members in groups:
+            give[members] = _fair_shares(col[members], len(pool))
+            owners.append(np.repeat(members, give[members]))
+            idx.append(pool[: give[members].sum()])
         if give.sum() < col.sum():
             notes.append(_describe(col, give, len(pool), c, what))
+        elif short:
+            notes.append(
+                f"class {c}: {int((col > 0).sum())} clients need {col.sum()} {what} images, only {len(pool)} "
+                f"available; the {len(groups)} clusters holding it each split the same {len(pool)} (shared)"
+            )
         given[:, c] = give
-        owners.append(np.repeat(np.arange(n_clients), give))
-        idx.append(pool[: give.sum()])
     return owners, idx, given, notes
 
 
@@ -379,9 +400,12 @@ def partition_clusters(
     with 100 clients x 600 asks 20 x 300 = 6,000), ``on_short="take"`` gives each holder
     an equal share of what exists (so those clients have fewer samples) and adds a note;
     ``on_short="fail"`` raises :class:`PartitionError` with the same message.
+    ``on_short="share"`` is the FLT authors' sampler: the clusters holding a short class
+    (S2's shared classes) each split all of its images among their own clients, so a
+    client of one cluster holds the same images as one client of the other.
     """
-    if on_short not in ("take", "fail"):
-        raise PartitionError(f"on_short must be 'take' or 'fail' (got {on_short!r})")
+    if on_short not in ("take", "fail", "share"):
+        raise PartitionError(f"on_short must be 'take', 'fail' or 'share' (got {on_short!r})")
     _check_counts(n_clients, n_clusters)
     y_train, y_test = _labels(y_train, "train"), _labels(y_test, "test")
     mask = _exclude_mask(exclude, len(y_train))
@@ -396,7 +420,8 @@ def partition_clusters(
     for c, cls in enumerate(layout):
         need[np.ix_(cluster == c, np.array(cls))] = per_class
 
-    owners, idx, given, notes = _take(y_train, need, rng, mask, "training")
+    share = cluster if on_short == "share" else None
+    owners, idx, given, notes = _take(y_train, need, rng, mask, "training", share_groups=share)
     if notes and on_short == "fail":
         raise PartitionError("; ".join(notes))
     train = _assemble(owners, idx, n_clients, rng)

@@ -119,6 +119,29 @@ def test_short_class_takes_what_exists_or_fails():
         s1(y_tr, y_te, samples_per_client=400, on_short="fail")
 
 
+def test_share_gives_a_short_shared_class_to_each_cluster_whole():
+    """on_short='share' (the FLT authors' S2 sampler): every client gets its full ask; a
+    shared class too short for its 8 holders is split within each of its two clusters
+    from the same images, so clients of different clusters share images, never of one."""
+    y_tr, y_te = labels(per_class_train=600)  # S2 below asks 8 x 100 = 800 of a shared class
+    kw = dict(shared_classes=1, classes_per_cluster=3, samples_per_client=300)
+    take, share = s1(y_tr, y_te, **kw), s1(y_tr, y_te, **kw, on_short="share")
+    assert min(len(t) for t in take.train) < 300  # shared classes split 8 ways: 75 each
+    assert all(len(t) == 300 for t in share.train)  # 100 of each of the three classes
+    assert any("shared" in n for n in share.notes)
+    for c in range(5):  # within a cluster: no image twice
+        mine = np.concatenate([share.train[m] for m in np.flatnonzero(share.cluster == c)])
+        assert len(np.unique(mine)) == len(mine)
+    a, b = np.flatnonzero(share.cluster == 0), np.flatnonzero(share.cluster == 1)  # they share class 2
+    common = set(np.concatenate([share.train[m] for m in a]).tolist()) & set(
+        np.concatenate([share.train[m] for m in b]).tolist()
+    )
+    assert len(common) == 400 and set(y_tr[list(common)].tolist()) == {2}  # 4 clients x 100 of class 2
+    assert set(share.train[a[0]].tolist()) & set(share.train[b[0]].tolist())  # client i of one, i of the other
+    assert_test_classes_within_train(share, y_tr, y_te)
+    assert s1(y_tr, y_te, **kw, on_short="share").train[3].tolist() == share.train[3].tolist()  # seeded
+
+
 def test_mnist_s1_class5_short():
     mnist = SHARED / "mnist"
     if not mnist.exists():
