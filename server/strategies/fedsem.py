@@ -146,19 +146,25 @@ class FedSEM(Strategy):
         else:
             latest = self.centres[torch.as_tensor(self.assign, device=self.centres.device)]
         latest[torch.as_tensor(clients, device=latest.device)] = models
-        rows, k = latest.detach().cpu().numpy(), min(self.k, m)  # k < K only with fewer clients than centres
+        old = self.assign.copy()
         if self.centres is None:
             self.init_round = int(rnd)
-            km = KMeans(k, init="k-means++", n_init=20, random_state=int(self.rng.integers(2**31 - 1)))
-        else:
-            km = KMeans(k, init=self.centres[:k].detach().cpu().numpy().astype(rows.dtype), n_init=1)
-        old = self.assign.copy()
         if self.centres is None or rnd % self.every == 0:
-            self.assign = km.fit(rows).labels_.astype(np.int64)
+            self.assign = self.kmeans(latest.detach().cpu().numpy())
         self.moves += int(((old >= 0) & (self.assign != old)).sum())
         n_all = self.on(torch.as_tensor(self.ctx.n_train))
         keep = self.centres if self.centres is not None else latest[torch.arange(self.k) % m]
         self.centres = cluster_average(latest, n_all, one_hot(self.assign, self.k, latest), keep=keep)
+
+    def kmeans(self, rows: np.ndarray) -> np.ndarray:
+        """Cluster labels of the M latest models: seeded k-means++ with 20 restarts the
+        first time, then one run warm-started from the current centres."""
+        k = min(self.k, len(rows))  # below K only with fewer clients than centres
+        if self.centres is None:
+            km = KMeans(k, init="k-means++", n_init=20, random_state=int(self.rng.integers(2**31 - 1)))
+        else:
+            km = KMeans(k, init=self.centres[:k].detach().cpu().numpy().astype(rows.dtype), n_init=1)
+        return km.fit(rows).labels_.astype(np.int64)
 
     def e_step(self, rnd: int, clients: list[int], models: torch.Tensor) -> torch.Tensor:
         """Responsibilities [K, s] of this round's models; every client's centre becomes
