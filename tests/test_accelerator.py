@@ -121,21 +121,23 @@ def test_a_scenario_accepts_auto_or_a_bool_for_vectorize_and_names_the_field_oth
         config.load(QUICKSTART, ["train.vectorize=fast"])
 
 
-def test_asking_for_a_gpu_asks_torch_for_deterministic_kernels():
-    """A GPU run must repeat bit for bit: accelerator('cuda') turns cuDNN's kernel search
-    off and its deterministic kernels on (in a child process: the flags are global)."""
+@pytest.mark.parametrize("on_gpu", ["accelerator('cuda', 'dev-0')", "aggregation_device()"])
+def test_asking_for_a_gpu_asks_torch_for_deterministic_kernels(on_gpu):
+    """A GPU run must repeat bit for bit: a device's accelerator('cuda') and the server's
+    aggregation device turn cuDNN's kernel search off and its deterministic kernels on (in a
+    child process: the flags are global)."""
     import subprocess
     import sys
 
     probe = (
         "import os, torch\n"
-        "torch.cuda.is_available = lambda: True\n"
         "from flt.devices.device import accelerator\n"
         "from flt.emulator.session import aggregation_device\n"
         "before = (torch.backends.cudnn.deterministic, torch.are_deterministic_algorithms_enabled())\n"
         "accelerator('cpu', 'dev-0')\n"
         "cpu = (torch.backends.cudnn.deterministic, torch.are_deterministic_algorithms_enabled())\n"
-        "accelerator('cuda', 'dev-0')\n"
+        "torch.cuda.is_available = lambda: True\n"
+        f"{on_gpu}\n"
         "print(before, cpu, torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,\n"
         "      torch.are_deterministic_algorithms_enabled(), os.environ.get('CUBLAS_WORKSPACE_CONFIG'))\n"
     )
