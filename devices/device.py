@@ -125,7 +125,8 @@ class Device:
             self.credentials.secure(self.sock)
         self.handshakes = HandshakeWatch(self.sock, self.credentials.curve)  # refused: say why, exit
         self.sock.connect(endpoint)
-        self.shards: dict[int, Shard] = {}
+        self.shards: dict[int, Shard] = {}  # every client this device may train (server/routing.py)
+        self.hosted: set[int] = set()  # those whose state (drift, flags, Local's model) lives here
         self.resident: dict[int, torch.Tensor] = {}  # per-client models kept on the device (Local)
         self.init: torch.Tensor | None = None  # the run's initial weights (sent with reset)
         self.flags: set[int] = set()  # clients whose data moved since they last embedded
@@ -204,11 +205,13 @@ class Device:
         shifts = client_shifts(spec.get("shift"), t, t["clients"])
         for cid, tr, te in zip(t["clients"], _split(t, "train"), _split(t, "test"), strict=True):
             self.shards[int(cid)] = _shard(train, test, tr, te, shifts.get(int(cid)))
+        hosted = [int(c) for c in t.get("hosted", t["clients"])]
+        self.hosted.update(hosted)
         m = spec["model"]
         model = build_model(m["name"], tuple(m["in_shape"]), m["num_classes"])
         self.trainer = CohortTrainer(model.to(self.accel), param_spec(model))
-        log.info("%s: hosting %d clients on %s", self.name, len(self.shards), self.accel)
-        self.send(Message("ready", meta={"clients": [int(c) for c in t["clients"]]}))
+        log.info("%s: hosting %d clients (shards of %d) on %s", self.name, len(hosted), len(t["clients"]), self.accel)
+        self.send(Message("ready", meta={"clients": hosted}))
 
     def _dataset(self, name, root, train, download):
         key = (name, root, train)
@@ -232,7 +235,7 @@ class Device:
         changed, and the device tests that at once if the client embedded (`change_flag`,
         devices/watch.py), answering with a notice when asked (meta "notice"). A replay
         (meta "flag" 0: the next method's undo) is no change."""
-        if msg.client not in self.shards:
+        if msg.client not in self.hosted:
             raise KeyError(f"drift for client {msg.client}, which {self.name} does not host")
         train, test = self.splits
         shifts = client_shifts(msg.meta.get("shift"), msg.tensors, [msg.client])
@@ -269,7 +272,7 @@ class Device:
 
     def on_state(self, msg: Message) -> None:
         """Resume: the state snapshot() gave for this client at the checkpoint."""
-        if msg.client not in self.shards:
+        if msg.client not in self.hosted:
             raise KeyError(f"state for client {msg.client}, which {self.name} does not host")
         if "model" in msg.tensors:
             self.resident[msg.client] = torch.from_numpy(np.array(msg.tensors["model"], dtype=np.float32))

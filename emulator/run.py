@@ -315,7 +315,11 @@ def run_scenario(cfg: dict, out: str | None = None, progress: Progress = print, 
     finally:
         session.close()
         # what differs from one execution to the next, apart from the results
-        summary["timing"] = {"run_dir": str(run_dir), "device_exit_codes": fleet.exit_codes()}
+        summary["timing"] = {
+            "run_dir": str(run_dir),
+            "device_exit_codes": fleet.exit_codes(),
+            "tasks_off_host": transport.moved,  # server/routing.py: tasks run where their client is not hosted
+        }
         summary["rejected"] = transport.rejections.summary()  # the whole run's, start-up included
         summary["security"] = transport.gate.report()
         report.write_summary(run_dir, summary)

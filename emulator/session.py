@@ -155,32 +155,40 @@ def assign_clients(
     timeout_s: float,
     clients: np.ndarray,
 ) -> None:
-    """Give each device a contiguous block of `clients`: their shard indices, never data.
-    A device that cannot take its block (it reports an error, does not answer within the
-    timeout, or says ready for other clients) is lost with its clients, named in the log,
-    and the run goes on without it; with no device left, nobody can train (DeviceError)."""
-    blocks = np.array_split(np.asarray(clients, dtype=np.int64), len(devices))
+    """Give each device a contiguous block of `clients` to host, and the shard indices
+    (never data) of all of them: any of these devices may then train any of these clients
+    from a sent model (server/routing.py). A device that cannot take its block (it reports
+    an error, does not answer within the timeout, or says ready for other clients) is lost
+    with its clients, named in the log, and the run goes on without it; with no device
+    left, nobody can train (DeviceError)."""
+    clients = np.asarray(clients, dtype=np.int64)
+    blocks = np.array_split(clients, len(devices))
     if partition.shift is not None:
         meta = {**meta, "shift": partition.shift.meta()}
+    tensors = {"clients": clients}
+    for name, shards in (("train", partition.train), ("test", partition.test)):
+        chosen = [shards[c] for c in clients]
+        tensors[f"{name}_offsets"] = np.cumsum([0] + [len(s) for s in chosen]).astype(np.int64)
+        tensors[f"{name}_idx"] = (np.concatenate(chosen) if chosen else np.zeros(0)).astype(np.int64)
+    if partition.shift is not None:
+        tensors.update(partition.shift.tensors(clients))
     expected: dict[str, list[int]] = {}
     for device, block in zip(devices, blocks, strict=True):
-        tensors = {"clients": block.astype(np.int64)}
-        for name, shards in (("train", partition.train), ("test", partition.test)):
-            chosen = [shards[c] for c in block]
-            tensors[f"{name}_offsets"] = np.cumsum([0] + [len(s) for s in chosen]).astype(np.int64)
-            tensors[f"{name}_idx"] = (np.concatenate(chosen) if chosen else np.zeros(0)).astype(np.int64)
-        if partition.shift is not None:
-            tensors.update(partition.shift.tensors(block))
         for c in block:
             transport.client_device[int(c)] = device
         expected[device] = block.tolist()
         try:
-            transport.send(device, Message("assign", meta=meta, tensors=tensors))
+            # a lone device (a newcomer's, billed as control) hosts all it holds: no list
+            hosted = {"hosted": block} if len(devices) > 1 else {}
+            transport.send(device, Message("assign", meta=meta, tensors={**tensors, **hosted}))
         except DeviceLost as exc:
             transport.lose(device, str(exc))
     failed = _await_ready(transport, {d: c for d, c in expected.items() if d not in transport.lost_devices}, timeout_s)
     for device, why in failed.items():
         transport.lose(device, why)
+    ready = tuple(d for d in devices if d not in transport.lost_devices)
+    for c in clients.tolist():
+        transport.holders[c] = ready
     if not transport.active_devices():
         reasons = "; ".join(f"{d}: {why}" for d, why in sorted(failed.items())[:3])
         raise DeviceError(f"no device could load its clients ({reasons})")

@@ -147,8 +147,14 @@ class Federation:
             return op_check(client, reply) if op_check else None
 
         before = self.transport.ledger.totals()
+        sizes = self.shard_sizes
         replies = self.transport.gather(
-            msgs, {c: op.reply_kind for c, op in op_of.items()}, timeout_s or self.timeout_s, check=check
+            msgs,
+            {c: op.reply_kind for c, op in op_of.items()},
+            timeout_s or self.timeout_s,
+            check=check,
+            movable=[c for c, op in op_of.items() if op.movable],
+            cost=None if sizes is None else lambda c: float(sizes(c)[0]),
         )
         ids = np.array(sorted(replies), dtype=np.int64)
         down = np.array([_payload(msgs[c]) for c in ids.tolist()], dtype=np.float64)

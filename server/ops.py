@@ -46,7 +46,9 @@ class DeviceOp:
     (None: only the bytes). `check`: builds the reply check (None: any well-formed reply).
     `model_back` False: the op keeps the trained model on the device (Local), and a reply
     that carries one is rejected. `task_kind`/`reply_kind`: the wire kinds (the built-in
-    four keep theirs; every other op is a "task" answered by a "result")."""
+    four keep theirs; every other op is a "task" answered by a "result"). `movable`: the op
+    reads nothing of the client's but its shard and the task (no state its host keeps), so
+    any device holding the shard may run it, to even the cohort's work (server/routing.py)."""
 
     name: str
     traffic: str = "control"
@@ -55,6 +57,7 @@ class DeviceOp:
     model_back: bool = True
     task_kind: str = "task"
     reply_kind: str = "result"
+    movable: bool = False
 
     def reply_check(self, sent: dict[int, Message], sizes: ShardSizes | None) -> Check | None:
         """The check of this op's replies to `sent`; a training op's knows from `model_back`
@@ -100,7 +103,7 @@ def _embedding(sent: dict[int, Message], sizes: ShardSizes | None, op: DeviceOp)
 
 
 # -- the built-in operations (devices/ops.py runs them) ----------------------------------
-TRAIN = DeviceOp("train", "model", trained, training, task_kind="train", reply_kind="update")
+TRAIN = DeviceOp("train", "model", trained, training, task_kind="train", reply_kind="update", movable=True)
 EVALUATE = DeviceOp(
     "evaluate",
     "evaluation",
@@ -115,7 +118,7 @@ SNAPSHOT = DeviceOp("snapshot", "control", None, None, task_kind="snapshot", rep
 
 # -- operations of particular methods (devices/methods/<name>.py runs them) --------------
 # IFCA's client step: the lowest-loss of the C models it carries, then E epochs from it
-TRAIN_BEST = DeviceOp("train_best", "model", trained, training)
+TRAIN_BEST = DeviceOp("train_best", "model", trained, training, movable=True)
 # Local's client step: the model stays on the device between rounds
 TRAIN_RESIDENT = DeviceOp("train_resident", "model", trained, training, model_back=False)
 # which of K candidate models fits the client's own data best, without training

@@ -24,6 +24,7 @@ import zmq
 from flt.common.errors import DeviceError, short
 from flt.common.wire import MAX_HEADER_BYTES, TRAFFIC_CLASSES, Message, ProtocolError, decode, encode, frame_bytes
 from flt.server.auth import Gate, Refused
+from flt.server.routing import spread
 
 log = logging.getLogger("flt.server")
 
@@ -33,6 +34,7 @@ class DeviceLost(RuntimeError):
 
 
 SETUP_KINDS = ("hello", "ready", "error")  # what a device sends outside a task
+PINNING_KINDS = ("drift", "state")  # what gives a client's host more than the shard the others hold
 LOG_FIRST, LOG_EVERY_S = 5, 10.0  # rejections logged one by one, then summarised
 
 
@@ -117,7 +119,11 @@ class Transport:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.ledger = Ledger()
         self.devices: dict[str, dict] = {}  # name -> hello meta
-        self.client_device: dict[int, str] = {}  # client id -> device name
+        self.client_device: dict[int, str] = {}  # client id -> device name (its host)
+        self.holders: dict[int, tuple[str, ...]] = {}  # client id -> devices holding its shard
+        self.pinned: set[int] = set()  # clients whose host now holds more than the shard (routing.py)
+        self.sent_to: dict[int, str] = {}  # client id -> device its latest task went to, if not its host
+        self.moved = 0  # tasks run by a device other than their client's host, over the run
         self.lost_devices: set[str] = set()
         self.batches = itertools.count(1)
         # the emulator's own exchanges (checkpoint snapshots) count down from -2, apart from
@@ -140,6 +146,8 @@ class Transport:
         except zmq.ZMQError as exc:
             raise DeviceLost(f"device {device!r} is not connected ({exc})") from None
         self.ledger.add(msg.round, msg.client, "down", msg.traffic, payload, header + len(ident))
+        if msg.kind in PINNING_KINDS and (msg.kind == "drift" or msg.tensors or msg.meta.get("flag")):
+            self.pinned.add(msg.client)  # its data moved, or its host keeps a model or flag for it
 
     def _limit_inbound(self, largest_message: int) -> None:
         """ZeroMQ drops a frame larger than the run's largest legitimate inbound frame (a
@@ -185,15 +193,14 @@ class Transport:
                 ident = admitted
             if msg.kind != "hello" and ident not in self.devices:
                 self.reject("unknown device", ident, size, f"{msg.kind} (client {msg.client})")
-            elif msg.client >= 0 and self.client_device.get(msg.client) != ident:
-                self.reject(
-                    "wrong client",
-                    ident,
-                    size,
-                    f"{msg.kind} for client {msg.client}, hosted by {self.client_device.get(msg.client)!r}",
-                )
+            elif msg.client >= 0 and ident not in (self.client_device.get(msg.client), self.sent_to.get(msg.client)):
+                self.reject("wrong client", ident, size, self._whose(msg))
             else:
                 return ident, msg, size
+
+    def _whose(self, msg: Message) -> str:
+        host, sent = self.client_device.get(msg.client), self.sent_to.get(msg.client)
+        return f"{msg.kind} for client {msg.client}, hosted by {host!r}" + (f", task sent to {sent!r}" if sent else "")
 
     def _account(self, msg: Message, size: tuple[int, int]) -> None:
         self.ledger.add(msg.round, msg.client, "up", msg.traffic, *size)
@@ -272,6 +279,8 @@ class Transport:
         on_reply: Callable[[int, Message], None] | None = None,
         check: Callable[[int, Message], tuple[str, str] | None] | None = None,
         own: bool = False,
+        movable: Collection[int] = (),
+        cost: Callable[[int], float] | None = None,
     ) -> dict[int, Message]:
         """Send one message per client, collect one reply per client (of kind `reply`, or
         `reply[client]` when the clients were asked different things).
@@ -282,11 +291,16 @@ class Transport:
         and left out. `check(client, reply)` returns (reason, detail) for a reply whose
         content the server knows is wrong: it is rejected like a malformed one, and its
         client left out. `own`: an exchange of the emulator's, not of the method (its batch
-        ids come from a sequence of their own)."""
+        ids come from a sequence of their own). `movable`: clients whose task may run on any
+        live device holding their shard (server/routing.py), spread by `cost` (1 each by
+        default); every other task goes to the client's host."""
         batch = next(self.own_batches if own else self.batches)
+        home = {c: self.client_device[c] for c in tasks}
+        movable = [c for c in movable if c in tasks and c not in self.pinned]
+        dest = spread(home, movable, self.holders, self.active_devices(), cost or (lambda c: 1.0)) if movable else home
         by_device: dict[str, list[int]] = defaultdict(list)
         for cid in tasks:
-            by_device[self.client_device[cid]].append(cid)
+            by_device[dest[cid]].append(cid)
         waiting: set[int] = set()
         for device, cids in by_device.items():
             if device in self.lost_devices:
@@ -296,6 +310,11 @@ class Transport:
                     msg = tasks[cid]
                     msg.meta = {**msg.meta, "batch": batch, "last": int(i == len(cids) - 1)}
                     self.send(device, msg)
+                    if device == home[cid]:
+                        self.sent_to.pop(cid, None)
+                    else:
+                        self.sent_to[cid] = device
+                        self.moved += 1
                 waiting.update(cids)
             except DeviceLost as exc:
                 self.lose(device, str(exc))
@@ -304,7 +323,7 @@ class Transport:
         while waiting:
             got = self._next(min(time.monotonic() + 0.5, deadline))
             if got is None:
-                self._drop_dead(waiting)
+                self._drop_dead(waiting, dest)
                 if time.monotonic() >= deadline:
                     log.error(
                         "%s: %d clients did not answer within %.0f s: %s",
@@ -316,6 +335,9 @@ class Transport:
                     break
                 continue
             ident, msg, size = got
+            if msg.client in waiting and ident != dest[msg.client]:  # its host, when the task went elsewhere
+                self.reject("wrong client", ident, size, self._whose(msg))
+                continue
             expected = reply if isinstance(reply, str) else reply.get(msg.client, "")
             unwanted = self._unwanted(msg, batch, waiting, expected)
             if unwanted:
@@ -363,11 +385,11 @@ class Transport:
                 f"{msg.kind} for client {msg.client} after the last task",
             )
 
-    def _drop_dead(self, waiting: set[int]) -> None:
-        for device in {self.client_device[c] for c in waiting}:
+    def _drop_dead(self, waiting: set[int], dest: Mapping[int, str]) -> None:
+        for device in {dest[c] for c in waiting}:
             if not self.alive(device):
                 self.lose(device, "process exited")
-                waiting.difference_update(c for c in list(waiting) if self.client_device[c] == device)
+                waiting.difference_update(c for c in list(waiting) if dest[c] == device)
 
     def lose(self, device: str, why: str) -> None:
         """Go on without `device`: its clients get no more requests, and say so once."""
@@ -383,6 +405,9 @@ class Transport:
         self.names.pop(self.routes.pop(device, b""), None)
         for c in [c for c, d in self.client_device.items() if d == device]:
             del self.client_device[c]
+            self.holders.pop(c, None)
+        for c in [c for c, d in self.sent_to.items() if d == device]:
+            del self.sent_to[c]
 
     @contextlib.contextmanager
     def unbilled(self) -> Iterator[Ledger]:

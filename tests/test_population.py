@@ -224,6 +224,7 @@ def test_label_swap_drift_trades_two_labels_on_the_device_and_raises_the_flag():
     dev.splits = ((x, y), (x, y))
     idx = np.arange(5, dtype=np.int64)
     dev.shards[7] = _shard((x, y), (x, y), idx, idx)
+    dev.hosted.add(7)
     dev.on_drift(Message("drift", client=7, meta={"label_swap": [0, 1]}, tensors={"train": idx, "test": idx}))
     assert dev.shards[7].y.tolist() == [1, 0, 2, 0, 1] and dev.shards[7].y_test.tolist() == [1, 0, 2, 0, 1]
     assert 7 in dev.flags

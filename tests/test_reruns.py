@@ -4,6 +4,7 @@ many device processes share the clients. Wall-clock figures live apart, in `timi
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -123,7 +124,7 @@ def test_client_streams_depend_on_seed_and_client_only():
 
 @pytest.mark.slow
 def test_one_two_or_three_device_processes_give_identical_results(tmp_path):
-    runs = []
+    runs, moved = [], []
     for n in (1, 2, 3):
         out = tmp_path / f"p{n}"
         res = subprocess.run(
@@ -151,7 +152,11 @@ def test_one_two_or_three_device_processes_give_identical_results(tmp_path):
         runs.append(results_without_timing(out))
         lines = (out / "fedavg" / "metrics.jsonl").read_text().splitlines()
         assert all('"timing": {' in line for line in lines)  # wall-clock figures are named as such
+        moved.append(json.loads((out / "summary.json").read_text())["timing"]["tasks_off_host"])
     assert runs[0] == runs[1] == runs[2]
+    # with more than one device, training tasks ran off their client's host (server/routing.py),
+    # and the bytes did not move
+    assert moved[0] == 0 and moved[1] > 0 and moved[2] > 0
 
 
 @pytest.mark.slow

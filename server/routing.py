@@ -1,0 +1,71 @@
+"""Which device process runs each client's task: the cohort's work spread evenly.
+
+Every device process of the initial fleet loads the shard indices of all the clients it
+was started with (a few hundred kB for a whole partition; the images are one shared
+memory map), and *hosts* a block of them: what a client keeps on its device (Local's
+model, its change flag, what it embedded, its drifted data) lives on its host alone.
+A round selects clients at random, so the hosts' shares of the cohort are uneven (20 of
+100 clients on 2 devices: the larger share is 1.16x the even one on average), and the
+round waits for the largest. A task whose op reads nothing but the client's shard and
+what the task carries (`DeviceOp.movable`: training from a sent model) may run on any
+device that holds the shard, and does, where that evens the work.
+
+Where a task runs never changes its result: each client trains with its own random
+streams, alone in its row of the cohort's stacked models (devices/trainer.py), so a
+cohort's make-up is invisible in its bytes. The server accepts a client's reply only from
+the device it sent that client's task to (server/transport.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+
+
+def spread(
+    home: Mapping[int, str],
+    movable: Collection[int],
+    holders: Mapping[int, Collection[str]],
+    live: Collection[str],
+    cost: Callable[[int], float],
+) -> dict[int, str]:
+    """The device each client's task goes to. Every task starts on its client's `home`;
+    then, while the most loaded live device (by `cost`: a client's training samples) has a
+    `movable` task that another live device holding its shard could take and so lower that
+    peak, the move that lowers it most is made. An even cohort stays where it is hosted,
+    and a client whose home is not live stays there (lost with its device)."""
+    dest = dict(home)
+    load = dict.fromkeys(sorted(live), 0.0)
+    for c, d in home.items():
+        if d in load:
+            load[d] += cost(c)
+    free = sorted((c for c in movable if home[c] in load), key=lambda c: (-cost(c), c))
+    while (move := _best_move(dest, free, holders, load, cost)) is not None:
+        c, d = move
+        load[dest[c]] -= cost(c)
+        load[d] += cost(c)
+        dest[c] = d
+    return dest
+
+
+def _best_move(
+    dest: dict[int, str],
+    free: list[int],
+    holders: Mapping[int, Collection[str]],
+    load: dict[str, float],
+    cost: Callable[[int], float],
+) -> tuple[int, str] | None:
+    """(client, device): the move off the most loaded device that lowers its load's peak
+    the most, or None when none does. Each move lowers the sum of squared loads: the
+    loop ends."""
+    top = max(load, key=lambda d: (load[d], d))
+    best: tuple[float, str, int] | None = None
+    for c in free:
+        if dest[c] != top:
+            continue
+        for d in holders.get(c, ()):
+            if d == top or d not in load:
+                continue
+            peak = max(load[top] - cost(c), load[d] + cost(c))
+            if peak < load[top] and (best is None or (peak, d, c) < best):
+                best = (peak, d, c)
+    return None if best is None else (best[2], best[1])

@@ -1,0 +1,110 @@
+"""Where each client's task runs (server/routing.py): the cohort's work spread over the
+devices that hold the clients' shards, without changing who may answer for a client."""
+
+import threading
+import time
+
+import numpy as np
+from test_wire import _dealer, _serve  # tests/ is on sys.path under pytest
+
+from flt.common.wire import Message
+from flt.server.routing import spread
+from flt.server.transport import Transport
+
+
+def loads(dest, cost):
+    out = {}
+    for c, d in dest.items():
+        out[d] = out.get(d, 0) + cost(c)
+    return out
+
+
+def test_movable_tasks_even_out_a_lopsided_cohort_and_the_rest_stay_home():
+    home = {c: "a" for c in range(6)} | {6: "b"}
+    everyone = ("a", "b")
+    dest = spread(home, range(5), dict.fromkeys(home, everyone), everyone, lambda c: 1.0)
+    assert dest[5] == "a" and dest[6] == "b"  # not movable: at home
+    assert sorted(loads(dest, lambda c: 1.0).values()) == [3, 4]  # was 6 / 1
+    assert spread(home, range(5), dict.fromkeys(home, everyone), everyone, lambda c: 1.0) == dest  # deterministic
+
+
+def test_an_even_cohort_stays_where_it_is_hosted():
+    home = {0: "a", 1: "a", 2: "b", 3: "b"}
+    both = ("a", "b")
+    assert spread(home, home, dict.fromkeys(home, both), both, lambda c: 10.0) == home
+
+
+def test_largest_clients_are_placed_first_by_their_samples():
+    home = dict.fromkeys(range(4), "a")
+    size = {0: 600, 1: 300, 2: 200, 3: 100}.__getitem__
+    both = ("a", "b")
+    dest = spread(home, home, dict.fromkeys(home, both), both, size)
+    assert sorted(loads(dest, size).values()) == [600, 600]
+
+
+def test_a_task_goes_only_where_the_shard_is_and_never_to_a_lost_device():
+    home = {0: "a", 1: "a", 2: "a", 3: "gone"}
+    holders = {0: ("a",), 1: ("a", "b"), 2: ("a", "b", "gone"), 3: ("gone", "b")}
+    dest = spread(home, home, holders, ("a", "b"), lambda c: 1.0)
+    assert dest[0] == "a" and dest[3] == "gone"  # its only holder; a lost host keeps its client (lost too)
+    assert set(dest.values()) <= {"a", "b", "gone"} and "b" in {dest[1], dest[2]}
+
+
+def test_a_routed_task_is_answered_only_by_the_device_it_went_to():
+    """dev-a hosts every client and forges a reply for each task it did not get; the
+    replies that count are dev-b's, and the forgeries are rejected, apart from the traffic."""
+    server = Transport()
+    stop = threading.Event()
+    got_tasks: dict[str, list[int]] = {"dev-a": [], "dev-b": []}
+
+    def device(name):
+        def answer(task):
+            got_tasks[name].append(task.client)
+            meta = {"batch": task.meta["batch"], "by": name}
+            out = [Message("metrics", 0, task.client, meta=meta)]
+            if name == "dev-a" and task.meta["last"]:  # the host answers for the ones it lost
+                out += [Message("metrics", 0, c, meta={**meta, "by": "forged"}) for c in range(4) if c not in hosted]
+            return out
+
+        hosted: list[int] = got_tasks[name]
+        return answer
+
+    threads = [threading.Thread(target=_serve, args=(server.endpoint, n, device(n), stop)) for n in got_tasks]
+    for t in threads:
+        t.start()
+    try:
+        server.wait_devices(2, timeout_s=10)
+        server.client_device.update(dict.fromkeys(range(4), "dev-a"))
+        server.holders.update(dict.fromkeys(range(4), ("dev-a", "dev-b")))
+        server.pinned.add(3)  # its host holds more than the shard: it never moves
+        time.sleep(0.2)
+        tasks = {c: Message("evaluate", 0, c) for c in range(4)}
+        replies = server.gather(tasks, "metrics", 10, movable=range(4))
+        time.sleep(0.3)  # the forgeries, if late, are still read and counted
+        server.drain()
+        assert sorted(replies) == [0, 1, 2, 3]
+        assert got_tasks["dev-b"] and 3 not in got_tasks["dev-b"] and len(got_tasks["dev-a"]) == 2
+        assert all(replies[c].meta["by"] == ("dev-b" if c in got_tasks["dev-b"] else "dev-a") for c in replies)
+        reasons = {r: v["messages"] for r, v in server.rejections.summary()["rejected_reasons"].items()}
+        assert sum(reasons.values()) == len(got_tasks["dev-b"]) and set(reasons) <= {"wrong client", "stale"}
+        assert server.ledger.totals()["up"]["evaluation"]["messages"] == 4  # forgeries are not traffic
+        assert server.moved == len(got_tasks["dev-b"])
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        server.sock.close(linger=0)
+
+
+def test_drift_pins_a_client_to_its_host():
+    server = Transport()
+    dev = _dealer(server.endpoint, "dev-a")
+    try:
+        server.wait_devices(1, timeout_s=10)
+        server.client_device.update({4: "dev-a", 5: "dev-a"})
+        server.send("dev-a", Message("drift", client=4, tensors={"train": np.arange(3), "test": np.arange(2)}))
+        server.send("dev-a", Message("state", client=5, meta={"flag": 0, "watched": 1}))  # nothing kept: free
+        assert server.pinned == {4}
+    finally:
+        dev.close()
+        server.sock.close(linger=0)
