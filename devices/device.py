@@ -62,6 +62,13 @@ class Shard:
         return x if self.shift is None else self.shift.images(x, split=0)
 
     @property
+    def pixels(self) -> torch.Tensor:
+        """The training images as stored (uint8, a quarter of x's bytes), for the trainer,
+        which scales each batch as x would have been (devices/trainer.py); x itself when a
+        feature shift transforms them."""
+        return self.images.raw(self.idx) if self.shift is None else self.x
+
+    @property
     def x_test(self) -> torch.Tensor:
         x = self.test_images.floats(self.idx_test)
         return x if self.shift is None else self.shift.images(x, split=1)
@@ -88,6 +95,8 @@ class Images:
     on a GPU one copy in its memory."""
 
     def __init__(self, x: np.ndarray, device: torch.device):
+        if x.dtype != np.uint8:  # every loader's promise (scenarios/datasets.py); raw() relies on it
+            raise TypeError(f"images must be uint8, not {x.dtype}")
         self.device = device
         self.host = x if device.type == "cpu" else None
         if self.host is None:
@@ -95,10 +104,13 @@ class Images:
                 warnings.simplefilter("ignore", UserWarning)
                 self.gpu = torch.from_numpy(x).to(device)
 
+    def raw(self, idx: torch.Tensor) -> torch.Tensor:
+        """The images at idx as stored: uint8, a copy."""
+        return self.gpu[idx] if self.host is None else torch.from_numpy(np.take(self.host, idx.numpy(), axis=0))
+
     def floats(self, idx: torch.Tensor) -> torch.Tensor:
         """The images at idx as float32 in [0, 1] (x.float() / 255, the same values whenever made)."""
-        u8 = self.gpu[idx] if self.host is None else torch.from_numpy(np.take(self.host, idx.numpy(), axis=0))
-        return u8.float().div_(255)
+        return self.raw(idx).float().div_(255)
 
 
 class Device:

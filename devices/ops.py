@@ -95,9 +95,10 @@ def generators(batch: list[Message]) -> list[torch.Generator]:
 
 
 def shard_data(device: Device, batch: list[Message]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each client's training images and labels, in the batch's order."""
+    """Each client's training images (as stored, uint8, unless a feature shift made them
+    float: the trainer takes either) and labels, in the batch's order."""
     shards = [device.shards[m.client] for m in batch]
-    return [s.x for s in shards], [s.y for s in shards]
+    return [s.pixels for s in shards], [s.y for s in shards]
 
 
 def sent_models(batch: list[Message]) -> list[torch.Tensor]:

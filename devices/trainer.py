@@ -65,6 +65,13 @@ def _pad(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lengths
 
 
+def _floats(x: torch.Tensor) -> torch.Tensor:
+    """Images as the model takes them: a device's shards arrive as stored (uint8, scaled
+    here per batch: x.float() / 255, the values the whole shard would have had), or
+    already float (a feature shift made them)."""
+    return x.float().div_(255) if x.dtype == torch.uint8 else x
+
+
 def epoch_batches(
     lengths: torch.Tensor, batch_size: int, gens: Sequence[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +161,7 @@ class CohortTrainer:
         for name, shape in self._dropout_shapes(sample).items():
             noise = torch.zeros((len(gens), steps * batch_size, *shape))
             for i, (n, g) in enumerate(zip(lengths.tolist(), gens, strict=True)):
-                noise[i, :n] = torch.rand((n, *shape), generator=g)
+                noise[i, :n].uniform_(generator=g)  # torch.rand's values, drawn in place
             out[f"{name}.noise"] = noise.view((len(gens), steps, batch_size, *shape))
         return out
 
@@ -170,7 +177,7 @@ class CohortTrainer:
             ]
             try:
                 with torch.no_grad():
-                    self.model.eval()(sample[:1])
+                    self.model.eval()(_floats(sample[:1]))
             finally:
                 for h in hooks:
                     h.remove()
@@ -187,7 +194,8 @@ class CohortTrainer:
         gens: torch.Generator | Sequence[torch.Generator],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Train B clients from start [B, P]; return (trained [B, P], mean loss [B]).
-        `gens`: one torch.Generator per client (its batch order and dropout)."""
+        `xs`: each client's images, uint8 (scaled per batch) or float. `gens`: one
+        torch.Generator per client (its batch order and dropout)."""
         per_client = _generators(gens, len(xs))
         if use_vmap(cfg.vectorize, self.model, start.device):
             return self._train_vmap(start, xs, ys, cfg, per_client)
@@ -251,20 +259,30 @@ class CohortTrainer:
         """Every SGD step of the cohort, `step(x [B, b, ...], y [B, b], w [B, b], noise)`
         training all clients in place; returns each client's mean loss [B]. Batches and
         dropout noise are drawn on the CPU from each client's generator (a GPU run draws the
-        same) as _train_loop draws them; padding has weight 0."""
+        same) as _train_loop draws them; padding has weight 0. Each step's images are
+        gathered into the same two buffers (a fresh batch per step cost a page fault per
+        4 kB: large blocks come from mmap, common/heap.py)."""
         xpad, lengths = _pad(xs)
         ypad, _ = _pad(ys)
         dev = xpad.device  # the cohort's data decides: CPU, or the GPU it was moved to
-        rows = torch.arange(len(xs), device=dev)[:, None]
-        total, count = torch.zeros(len(xs), device=dev), torch.zeros(len(xs), device=dev)
+        b, nmax, bs = len(xs), xpad.shape[1], cfg.batch_size
+        xflat, yflat = xpad.flatten(0, 1), ypad.flatten(0, 1)
+        first = torch.arange(b, device=dev)[:, None] * nmax  # each client's first row in xflat
+        raw = xflat.new_empty((b * bs, *xflat.shape[1:]))
+        x = raw if raw.is_floating_point() else torch.empty(raw.shape, device=dev)
+        total, count = torch.zeros(b, device=dev), torch.zeros(b, device=dev)
         for _ in range(cfg.epochs):
-            order, weight = (t.to(dev) for t in epoch_batches(lengths, cfg.batch_size, gens))
-            noise = self._epoch_noise(lengths, order.shape[1], cfg.batch_size, gens, xs[0])
+            order, weight = (t.to(dev) for t in epoch_batches(lengths, bs, gens))
+            noise = self._epoch_noise(lengths, order.shape[1], bs, gens, xs[0])
             noise = {k: v.to(dev) for k, v in noise.items()}
             self.model.train()  # after _epoch_noise, whose first call runs the model in eval mode
             for s in range(order.shape[1]):
-                idx, w = order[:, s], weight[:, s]
-                loss = step(xpad[rows, idx], ypad[rows, idx], w, {k: v[:, s] for k, v in noise.items()})
+                at, w = (first + order[:, s]).view(-1), weight[:, s]
+                torch.index_select(xflat, 0, at, out=raw)
+                if x is not raw:
+                    x.copy_(raw).div_(255)  # _floats, in place
+                xb = x.view(b, bs, *x.shape[1:])
+                loss = step(xb, yflat[at].view(b, bs), w, {k: v[:, s] for k, v in noise.items()})
                 active = w.sum(1) > 0
                 total += loss * active
                 count += active
@@ -308,7 +326,7 @@ class CohortTrainer:
                     value, _ = loss_fn(
                         params,
                         anchor,
-                        x[idx],
+                        _floats(x[idx]),
                         y[idx],
                         torch.ones(n, device=dev),
                         {k: v[i, s, :n].to(dev) for k, v in noise.items()},
@@ -334,7 +352,7 @@ class CohortTrainer:
         correct = torch.zeros(len(xs), device=xpad.device)
         loss = torch.zeros(len(xs), device=xpad.device)
         for lo in range(0, xpad.shape[1], chunk):  # chunks bound memory on big test shards
-            x, y = xpad[:, lo : lo + chunk], ypad[:, lo : lo + chunk]
+            x, y = _floats(xpad[:, lo : lo + chunk]), ypad[:, lo : lo + chunk]
             logits = fwd(params, x)
             hit = (logits.argmax(-1) == y).float()
             ce = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(hit)

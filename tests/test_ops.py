@@ -84,7 +84,7 @@ def device_served(cls: type[Device] = Device, clients=(4, 7)):
     for c in clients:
         x = torch.rand(12, 1, 28, 28, generator=g)
         y = torch.randint(0, 10, (12,), generator=g)
-        dev.shards[c] = SimpleNamespace(x=x, y=y, x_test=x[:4], y_test=y[:4])  # what ops read of a shard
+        dev.shards[c] = SimpleNamespace(x=x, pixels=x, y=y, x_test=x[:4], y_test=y[:4])  # what ops read of a shard
     dev.trainer = CohortTrainer(model, param_spec(model))
     thread = threading.Thread(target=dev.run, daemon=True)
     thread.start()
