@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -63,10 +64,10 @@ class Session:
         """Start the devices, wait for them (and for external ones), give them `clients`."""
         d = self.cfg["devices"]
         self.fleet.start(self.n_proc)
-        self.devices = self.fleet.wait(self.transport, d["start_timeout_s"])
-        self.devices += wait_external(self.transport, self.devices, self.external, d["start_timeout_s"], progress)
+        own = self.fleet.wait(self.transport, d["start_timeout_s"])
+        self.devices = own + wait_external(self.transport, own, self.external, d["start_timeout_s"], progress)
         self.meta = assign_meta(self.cfg, model_spec)
-        assign_clients(self.transport, partition, self.devices, self.meta, d["start_timeout_s"], clients)
+        assign_clients(self.transport, partition, self.devices, self.meta, d["start_timeout_s"], clients, pool=own)
         return self.devices
 
     def federation(
@@ -154,44 +155,52 @@ def assign_clients(
     meta: dict,
     timeout_s: float,
     clients: np.ndarray,
+    pool: Collection[str] = (),
 ) -> None:
-    """Give each device a contiguous block of `clients` to host, and the shard indices
-    (never data) of all of them: any of these devices may then train any of these clients
-    from a sent model (server/routing.py). A device that cannot take its block (it reports
-    an error, does not answer within the timeout, or says ready for other clients) is lost
-    with its clients, named in the log, and the run goes on without it; with no device
-    left, nobody can train (DeviceError)."""
-    clients = np.asarray(clients, dtype=np.int64)
-    blocks = np.array_split(clients, len(devices))
+    """Give each device a contiguous block of `clients` to host: their shard indices, never
+    data. The devices in `pool` (the emulator's own processes, not devices started by
+    hand) also get the shard indices of every client the pool hosts: any of them may then
+    train any of these clients from a sent model (server/routing.py). A device that cannot
+    take its block (it reports an error, does not answer within the timeout, or says ready
+    for other clients) is lost with its clients, named in the log, and the run goes on
+    without it; with no device left, nobody can train (DeviceError)."""
+    blocks = dict(zip(devices, np.array_split(np.asarray(clients, dtype=np.int64), len(devices)), strict=True))
+    shared = [d for d in devices if d in pool] if len(set(pool) & set(devices)) > 1 else []
+    pooled = np.concatenate([blocks[d] for d in shared]) if shared else np.zeros(0, np.int64)
     if partition.shift is not None:
         meta = {**meta, "shift": partition.shift.meta()}
-    tensors = {"clients": clients}
+    expected: dict[str, list[int]] = {}
+    for device, block in blocks.items():
+        for c in block:
+            transport.client_device[int(c)] = device
+        expected[device] = block.tolist()
+        # a device outside the pool (a newcomer's: its assign is billed) holds what it hosts
+        tensors = {**_shards(partition, pooled), "hosted": block} if device in shared else _shards(partition, block)
+        try:
+            transport.send(device, Message("assign", meta=meta, tensors=tensors))
+        except DeviceLost as exc:
+            transport.lose(device, str(exc))
+    failed = _await_ready(transport, {d: c for d, c in expected.items() if d not in transport.lost_devices}, timeout_s)
+    for device, why in failed.items():
+        transport.lose(device, why)
+    if not transport.active_devices():
+        reasons = "; ".join(f"{d}: {why}" for d, why in sorted(failed.items())[:3])
+        raise DeviceError(f"no device could load its clients ({reasons})")
+    ready = tuple(d for d in shared if d not in transport.lost_devices)
+    for c in pooled.tolist():
+        transport.holders[c] = ready
+
+
+def _shards(partition: part.Partition, clients: np.ndarray) -> dict[str, np.ndarray]:
+    """The assign message's tensors for `clients`: their shard indices (and shift levels)."""
+    tensors = {"clients": clients.astype(np.int64)}
     for name, shards in (("train", partition.train), ("test", partition.test)):
         chosen = [shards[c] for c in clients]
         tensors[f"{name}_offsets"] = np.cumsum([0] + [len(s) for s in chosen]).astype(np.int64)
         tensors[f"{name}_idx"] = (np.concatenate(chosen) if chosen else np.zeros(0)).astype(np.int64)
     if partition.shift is not None:
         tensors.update(partition.shift.tensors(clients))
-    expected: dict[str, list[int]] = {}
-    for device, block in zip(devices, blocks, strict=True):
-        for c in block:
-            transport.client_device[int(c)] = device
-        expected[device] = block.tolist()
-        try:
-            # a lone device (a newcomer's, billed as control) hosts all it holds: no list
-            hosted = {"hosted": block} if len(devices) > 1 else {}
-            transport.send(device, Message("assign", meta=meta, tensors={**tensors, **hosted}))
-        except DeviceLost as exc:
-            transport.lose(device, str(exc))
-    failed = _await_ready(transport, {d: c for d, c in expected.items() if d not in transport.lost_devices}, timeout_s)
-    for device, why in failed.items():
-        transport.lose(device, why)
-    ready = tuple(d for d in devices if d not in transport.lost_devices)
-    for c in clients.tolist():
-        transport.holders[c] = ready
-    if not transport.active_devices():
-        reasons = "; ".join(f"{d}: {why}" for d, why in sorted(failed.items())[:3])
-        raise DeviceError(f"no device could load its clients ({reasons})")
+    return tensors
 
 
 def _await_ready(transport: Transport, expected: dict[str, list[int]], timeout_s: float) -> dict[str, str]:
