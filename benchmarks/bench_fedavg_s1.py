@@ -111,7 +111,7 @@ def resolve_data_root(arg: str | None) -> Path:
 # ----------------------------------------------------------------------------- (a) emulator
 def run_emulator(args, data_root: Path, work: Path, label: str, eval_every: int, extra: list[str] = ()) -> dict:
     """One emulator run of fedavg; returns its per-round timings."""
-    from flt.emulator import config
+    from flt.emulator import config, processes
     from flt.emulator.run import run_scenario
 
     overrides = [
@@ -137,6 +137,10 @@ def run_emulator(args, data_root: Path, work: Path, label: str, eval_every: int,
 
     torch.set_num_threads(args.server_threads)
     t0 = time.perf_counter()
+    # as `flt run` does first thing: devices fork from a copy of this process (emulator/zygote.py),
+    # made before the run's first thread; without it the run spawns a fresh interpreter that
+    # imports torch again. Counted in the start-up, as in the command's.
+    processes.fork_here()
     run_scenario(cfg, str(run_dir), progress=progress)
     total = time.perf_counter() - t0
 

@@ -37,6 +37,15 @@ def fork_here() -> None:
         atexit.register(_zygote.close)
 
 
+def prepare_zygote(devices: dict) -> None:
+    """Start the device zygote now, for a run whose local devices fork from one
+    (`devices.start: forkserver`) and that has none yet (the `flt` command forked its own):
+    a fresh interpreter then imports torch while the server loads its data."""
+    local = devices["launcher"] == "local" and devices["processes"] != 0  # None: one per core
+    if local and devices["start"] == "forkserver" and hasattr(os, "fork"):
+        zygote()
+
+
 def zygote() -> Zygote:
     global _zygote
     if _zygote is None or _zygote.ended:

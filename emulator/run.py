@@ -253,6 +253,7 @@ def run_scenario(cfg: dict, out: str | None = None, progress: Progress = print, 
     """Run `cfg` into a new run folder, or (`resume`) continue the killed run in folder
     `out`: finished methods are kept, the interrupted one continues after its last
     checkpointed round, on the folder's own partition."""
+    processes.prepare_zygote(cfg["devices"])  # devices need it soon: start it before the data loads
     data = cfg["data"]
     progress(f"data: {data['dataset']}" + (f" from {data_root(data['root'])}" if data["root"] else ""))
     train, test = load_data(cfg)
