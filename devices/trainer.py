@@ -66,9 +66,10 @@ def _pad(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # how much of the cohort's weights _StackSGD updates in one pass over the steps: groups of
-# 4 MLP clients (2.5 MB) ran 20 clients 25 - 40 % faster than all 20 at once (12.7 MB)
-# on the 2-core development machine (benchmarks/README.md)
-STACK_CACHE_BYTES = 3 << 20
+# 4 to 6 MLP clients (2.5 - 3.8 MB) ran 20 clients 25 - 40 % faster than all 20 at once
+# (12.7 MB) on the 2-core development machine (benchmarks/README.md); each group costs its
+# own per-step overhead, so the largest of those
+STACK_CACHE_BYTES = 4 << 20
 
 
 def _aligned_rows(start: torch.Tensor) -> torch.Tensor:
@@ -305,6 +306,7 @@ class CohortTrainer:
             noise = self._epoch_noise(lengths, order.shape[1], bs, gens, xs[0])
             noise = {k: v.to(dev) for k, v in noise.items()}
             self.model.train()  # after _epoch_noise, whose first call runs the model in eval mode
+            trains = weight.sum(2) > 0  # [B, S]: which clients have a real sample in each step
             for s in range(order.shape[1]):
                 at, w = (first + order[:, s]).view(-1), weight[:, s]
                 torch.index_select(xflat, 0, at, out=raw)
@@ -312,7 +314,7 @@ class CohortTrainer:
                     x.copy_(raw).div_(255)  # _floats, in place
                 xb = x.view(b, bs, *x.shape[1:])
                 loss = step(xb, yflat[at].view(b, bs), w, {k: v[:, s] for k, v in noise.items()})
-                active = w.sum(1) > 0
+                active = trains[:, s]
                 total += loss * active
                 count += active
         return total / count.clamp(min=1)
