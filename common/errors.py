@@ -20,8 +20,9 @@ class FltError(Exception):
 
 
 class DeviceError(FltError):
-    """The environment failed the run: devices that did not connect or could not load their
-    data. Exit code 3, so scripts can tell it from a mistake in the input."""
+    """The environment failed the run: devices that did not connect, could not load their
+    data, or were all lost mid-run; the server out of memory. Exit code 3, so scripts can
+    tell it from a mistake in the input."""
 
     exit_code = 3
 

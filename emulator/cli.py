@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from flt.common.errors import FltError
+from flt.common.errors import DeviceError, FltError, short
 from flt.common.heap import limit_heap_retention
 
 
@@ -239,14 +239,31 @@ def _resume(args) -> None:
 
 
 def guarded(action: Callable[[], object]) -> int:
-    """Run a command. The project's own errors (input mistakes, devices that failed) print
-    one line and exit with their code; anything else is a bug and keeps its traceback."""
+    """Run a command. The project's own errors (input mistakes, devices that failed) and
+    running out of memory (the machine's fault, not a bug) print one line and exit with
+    their code; anything else is a bug and keeps its traceback."""
     try:
         action()
     except FltError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Exception as exc:
+        if not out_of_memory(exc):
+            raise
+        what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(
+            f"error: the server ran out of memory ({short(what, 240)}); the rounds so far are in the run "
+            "folder: free memory (on a shared GPU, run fewer jobs at once), then `flt run --resume RUN_DIR`",
+            file=sys.stderr,
+        )
+        return DeviceError.exit_code
     return 0
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """MemoryError, or torch's (CUDA) OutOfMemoryError where torch is loaded."""
+    torch = sys.modules.get("torch")
+    return isinstance(exc, MemoryError) or (torch is not None and isinstance(exc, torch.OutOfMemoryError))
 
 
 if __name__ == "__main__":

@@ -380,6 +380,7 @@ def run_method(
         pacer.save(save_checkpoint, out_dir, 0, setup_s, strategy, fed, population)
     with open(out_dir / "metrics.jsonl", "a") as sink:
         for rnd in range(done + 1, rounds + 1):
+            transport.require_hosts(rnd - 1)
             r_tic = time.perf_counter()
             events = population.before_round(rnd)  # drift applied, newcomers connected
             candidates = np.setdiff1d(population.candidates(rnd), transport.lost_clients())

@@ -125,6 +125,7 @@ class Transport:
         self.sent_to: dict[int, str] = {}  # client id -> device its latest task went to, if not its host
         self.moved = 0  # tasks run by a device other than their client's host, over the run
         self.lost_devices: set[str] = set()
+        self.lost_why: dict[str, str] = {}  # device -> why it was lost, for the run's last error
         self.batches = itertools.count(1)
         # the emulator's own exchanges (checkpoint snapshots) count down from -2, apart from
         # the method's ids (-1 marks an error reply without one): how often a run checkpoints
@@ -396,8 +397,21 @@ class Transport:
         if device in self.lost_devices:
             return
         self.lost_devices.add(device)
+        self.lost_why[device] = why
         lost = sorted(c for c, d in self.client_device.items() if d == device)
         log.error("device %s lost (%s); continuing without its %d clients %s", device, why, len(lost), _ranges(lost))
+
+    def require_hosts(self, after_round: int) -> None:
+        """Stop the run (DeviceError) once every device that hosts a client is lost: no
+        client is left to train, and a lost device never rejoins mid-run."""
+        hosts = set(self.client_device.values())
+        if not hosts or hosts - self.lost_devices:
+            return
+        why = "; ".join(f"{d}: {self.lost_why.get(d, 'lost')}" for d in sorted(hosts)[:4])
+        raise DeviceError(
+            f"every device is lost ({why}{'; ...' if len(hosts) > 4 else ''}): no client is left to "
+            f"train, so the run stops after round {after_round}; the rounds so far are in the run folder"
+        )
 
     def forget(self, device: str) -> None:
         """A device that left on purpose (a method's newcomers): its clients are unhosted."""

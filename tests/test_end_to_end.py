@@ -117,6 +117,29 @@ def test_a_device_that_dies_mid_round_does_not_hang_the_server(tmp_path):
     assert s["timing"]["device_exit_codes"]["dev-1"] == 3
 
 
+def test_a_run_whose_every_device_dies_stops_with_exit_3_and_keeps_its_rounds(tmp_path):
+    res = flt(
+        "run",
+        str(QUICKSTART),
+        "--set",
+        "methods=[fedavg, flt]",
+        "--set",
+        "train.rounds=8",
+        "--set",
+        "devices.processes=2",
+        "--set",
+        "devices.crash={0: 2, 1: 2}",
+        "--out",
+        str(tmp_path),
+    )
+    assert res.returncode == 3, res.stderr
+    assert "every device is lost" in res.stderr and "dev-0" in res.stderr and "dev-1" in res.stderr
+    rows = [json.loads(x) for x in (tmp_path / "fedavg" / "metrics.jsonl").read_text().splitlines()]
+    assert 2 <= len(rows) < 8 and rows[-1]["returned"] == 0  # no empty rounds after the last device died
+    assert summary(tmp_path)["methods"]["fedavg"]["rounds"] == len(rows)
+    assert not (tmp_path / "flt").exists()  # the next method did not start with no devices
+
+
 def test_ctrl_c_stops_cleanly_and_keeps_the_rounds_done(tmp_path):
     import signal
     import time

@@ -406,6 +406,9 @@ class _Transport:
     def lost_clients(self):
         return np.zeros(0, dtype=np.int64)
 
+    def require_hosts(self, after_round):
+        pass  # in-process clients are never lost
+
 
 class FakeFederation:
     """Does with a Task what devices/device.py does: resident models, IFCA's choice by

@@ -419,3 +419,22 @@ def test_dataset_names_follow_the_loaders_spelling():
     assert config.load(QUICKSTART, ["data.dataset=Fashion-MNIST", "data.root=/data"])
     with pytest.raises(ConfigError, match=r"data.dataset: expected one of digits, .*got 'emnist:nope'"):
         config.load(QUICKSTART, ["data.dataset=emnist:nope", "data.root=/data"])
+
+
+@pytest.mark.parametrize("error", ["cuda", "host"])
+def test_running_out_of_memory_is_one_line_and_exit_3_not_a_traceback(error, capsys):
+    import torch
+
+    from flt.emulator.cli import guarded
+
+    def action():
+        if error == "cuda":  # what the server raised on a GPU that other jobs had filled
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 26.00 MiB.\nProcess 1 has ...")
+        raise MemoryError
+
+    assert guarded(action) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ran out of memory" in err and "--resume" in err
+    assert "Process 1" not in err  # the first line only
+    with pytest.raises(RuntimeError, match="a bug"):  # anything else keeps its traceback
+        guarded(lambda: (_ for _ in ()).throw(RuntimeError("a bug")))
