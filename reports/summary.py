@@ -50,7 +50,8 @@ def method_summary(
 ) -> dict:
     evals = [r for r in history if "acc_mean" in r]
     last = evals[-1] if evals else {}
-    best = max(evals, key=lambda r: r["acc_mean"]) if evals else {}
+    scored = [r for r in evals if math.isfinite(r["acc_mean"])]  # an evaluation no client answered is NaN
+    best = max(scored, key=lambda r: r["acc_mean"]) if scored else {}
     totals = transport.ledger.totals()
     selections = sum(r["selected"] for r in history)
     payload = {d: {k: v["payload"] for k, v in totals[d].items()} for d in totals}

@@ -296,3 +296,34 @@ def test_a_shifted_run_shows_what_each_group_sees(tmp_path):
     (run / "shift.json").write_text(json.dumps({"kind": "rotate", "groups": [{"group": 0, "level": 0.0}]}))
     page = html_report.build([run], tmp_path / "out").read_text()
     assert "Shift between clusters: rotate" in page and len(_images(page)) == 6
+
+
+def test_an_evaluation_no_client_answered_is_never_the_best_round():
+    """A round whose evaluation nobody answered records NaN (seen when a shared GPU ran out
+    of memory); the best accuracy is the best of the rounds that were measured."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from flt.reports.summary import method_summary
+
+    no_rejections = SimpleNamespace(summary=lambda: {})
+    ledger = SimpleNamespace(
+        rejections=no_rejections,
+        totals=lambda since_round=None: {
+            d: {k: {"payload": 0, "overhead": 0} for k in ("model", "encoder", "embedding")} for d in ("up", "down")
+        },
+    )
+    transport = SimpleNamespace(ledger=ledger, lost_clients=lambda: np.zeros(0, np.int64))
+    strategy = SimpleNamespace(expected_bytes=lambda selections, model_bytes: None, summary=lambda: {})
+    timing = {"train_s": 0.1, "setup_s": 1.0, "wall_s": 5.0}
+    accs = [(1, None), (2, float("nan")), (3, 40.0), (4, 55.0), (5, 50.0)]
+    history = [
+        {"round": r, "selected": 2, "timing": timing, **({"acc_mean": acc} if acc is not None else {})}
+        for r, acc in accs
+    ]
+    spec = {"name": "fedavg", "label": "fedavg", "params": {}}
+    cfg = {"train": {"target_accuracy": None}}
+    m = method_summary(spec, history, strategy, transport, 4, cfg)
+    assert (m["best_accuracy"], m["best_round"]) == (55.0, 4)
+    assert m["final_accuracy"] == 50.0
