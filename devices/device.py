@@ -220,7 +220,7 @@ class Device:
         hosted = [int(c) for c in t.get("hosted", t["clients"])]
         self.hosted.update(hosted)
         m = spec["model"]
-        model = build_model(m["name"], tuple(m["in_shape"]), m["num_classes"])
+        model = build_model(m["name"], tuple(m["in_shape"]), m["num_classes"], m.get("inputs", "unit"))
         self.trainer = CohortTrainer(model.to(self.accel), param_spec(model))
         log.info("%s: hosting %d clients (shards of %d) on %s", self.name, len(hosted), len(t["clients"]), self.accel)
         self.send(Message("ready", meta={"clients": hosted}))

@@ -100,6 +100,13 @@ TRAIN = {
         min=0,
         max=1,
     ),
+    "inputs": Field(
+        str,
+        "unit",
+        "how images reach the model: unit (x / 255, in [0, 1]; the paper's text names no scaling) or "
+        "signed ((x / 255 - 0.5) / 0.5, in [-1, 1]: its authors' CIFAR-10 code, torchvision's Normalize(0.5, 0.5))",
+        choices=("unit", "signed"),
+    ),
     "eval_every": Field(int, 1, "evaluate every n rounds (and at the last)", min=1),
     "target_accuracy": Field(float, None, "accuracy (%) for rounds/bytes-to-target", nullable=True, min=0, max=100),
     "vectorize": Field(

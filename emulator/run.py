@@ -155,7 +155,10 @@ def initial_weights(cfg: dict, train: Dataset) -> tuple[torch.Tensor, dict]:
     """Seeded initial model: the same starting point for every method of the run."""
     torch.manual_seed(cfg["seed"])
     spec = {"name": cfg["model"], "in_shape": list(train.x.shape[1:]), "num_classes": train.num_classes}
-    return flatten(build_model(spec["name"], tuple(spec["in_shape"]), spec["num_classes"])), spec
+    if cfg["train"]["inputs"] != "unit":  # absent by default: the assign message stays as it was
+        spec["inputs"] = cfg["train"]["inputs"]
+    model = build_model(spec["name"], tuple(spec["in_shape"]), spec["num_classes"], spec.get("inputs", "unit"))
+    return flatten(model), spec
 
 
 class Dynamics:

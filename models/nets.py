@@ -7,6 +7,8 @@ parameters, and BatchNorm's running-stat buffers (in-place updates) break that.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import nn
 
@@ -76,10 +78,23 @@ def _cifar_cnn(in_shape, num_classes) -> nn.Module:
 
 
 _BUILDERS = {"mlp": _mlp, "leaf_cnn": _leaf_cnn, "cifar_cnn": _cifar_cnn}
+INPUTS = ("unit", "signed")
 
 
-def build_model(name: str, in_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
-    """Build classifier ``name`` for inputs ``[N, *in_shape]`` with ``num_classes`` logits."""
+class SignedInputs(nn.Module):
+    """Images in [0, 1] to [-1, 1] (2x - 1, torchvision's Normalize(0.5, 0.5) on every
+    channel): what the FLT authors' code feeds its CIFAR-10 CNN. No parameters, so the
+    model's flat weights are the same."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 - 1
+
+
+def build_model(name: str, in_shape: tuple[int, int, int], num_classes: int, inputs: str = "unit") -> nn.Module:
+    """Build classifier ``name`` for inputs ``[N, *in_shape]`` with ``num_classes`` logits.
+    Images reach it in [0, 1]; ``inputs="signed"`` maps them to [-1, 1] first."""
+    if inputs not in INPUTS:
+        raise ValueError(f"unknown inputs {inputs!r}; valid: {', '.join(INPUTS)}")
     try:
         builder = _BUILDERS[name]
     except KeyError:
@@ -87,4 +102,8 @@ def build_model(name: str, in_shape: tuple[int, int, int], num_classes: int) -> 
     shape = tuple(int(s) for s in in_shape)
     if len(shape) != 3:
         raise ValueError(f"in_shape must be (C, H, W), got {shape}")
-    return builder(shape, int(num_classes))
+    model = builder(shape, int(num_classes))
+    if inputs == "unit":
+        return model
+    # its layers keep their names ("0.weight", ...), so both variants share one ParamSpec
+    return nn.Sequential(OrderedDict([("inputs", SignedInputs()), *model.named_children()]))

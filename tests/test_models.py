@@ -244,3 +244,36 @@ def test_onnx_parity_cifar_shape():
     sess = onnx_session(export_encoder_onnx(ae, (3, 32, 32)))
     x = np.random.default_rng(0).random((9, 3, 32, 32), dtype=np.float32)
     _assert_parity(ae, sess, x, batch=4)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_signed_inputs_feed_the_same_weights_2x_minus_1(name):
+    """train.inputs: signed (the FLT authors' CIFAR-10 Normalize(0.5, 0.5)) adds no weight:
+    the flat vector is the same, and the model sees 2x - 1 where unit sees x."""
+    shape = (3, 32, 32) if name == "cifar_cnn" else (1, 28, 28)
+    torch.manual_seed(0)
+    unit = build_model(name, shape, 10)
+    signed = build_model(name, shape, 10, inputs="signed")
+    assert param_spec(signed) == param_spec(unit)
+    load_flat(signed, flatten(unit))
+    x = torch.rand(4, *shape)
+    unit.eval(), signed.eval()
+    assert torch.equal(signed(x), unit(x * 2 - 1))
+    assert not torch.equal(signed(x), unit(x))
+    with pytest.raises(ValueError, match="unknown inputs 'centred'"):
+        build_model(name, shape, 10, inputs="centred")
+
+
+def test_the_initial_weights_spec_names_signed_inputs_only_when_asked():
+    """Devices build their model from this spec; a default run's spec (and so its assign
+    messages) is what it was before train.inputs existed."""
+    from types import SimpleNamespace
+
+    from flt.emulator.run import initial_weights
+
+    train = SimpleNamespace(x=np.zeros((2, 3, 32, 32), np.uint8), num_classes=10)
+    for inputs, expect in (("unit", None), ("signed", "signed")):
+        cfg = {"seed": 0, "model": "cifar_cnn", "train": {"inputs": inputs}}
+        init, spec = initial_weights(cfg, train)
+        assert spec.get("inputs") == expect
+        assert init.numel() == sum(param_spec(build_model("cifar_cnn", (3, 32, 32), 10)).numel)
