@@ -62,7 +62,8 @@ def peer(
     return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
 
 
-def hellos_until(server: Transport, names: set, timeout_s: float = 20) -> None:
+def hellos_until(server: Transport, names: set, timeout_s: float = 90) -> None:
+    # a device process imports torch before its hello: over 20 s on a loaded 2-core machine
     deadline = time.monotonic() + timeout_s
     while not names <= set(server.devices) and time.monotonic() < deadline:
         if got := server.recv(0.2):
