@@ -222,10 +222,10 @@ class CohortTrainer:
             return self._train_vmap(start, xs, ys, cfg, per_client)
         # _StackSGD rewrites every client's weights each step: in groups whose weights fit
         # in a CPU's cache (results are the same: a client's arithmetic ignores its cohort)
-        groups = math.ceil(len(xs) * start.shape[1] * 4 / STACK_CACHE_BYTES)
-        parts = [
-            self._train_vmap(start[g], [xs[i] for i in g], [ys[i] for i in g], cfg, [per_client[i] for i in g])
-            for g in (g.tolist() for g in torch.arange(len(xs)).tensor_split(groups))
+        groups = min(len(xs), math.ceil(len(xs) * start.shape[1] * 4 / STACK_CACHE_BYTES))
+        bounds = [(int(g[0]), int(g[-1]) + 1) for g in torch.arange(len(xs)).tensor_split(groups)]
+        parts = [  # start[lo:hi] is a view: _aligned_rows makes the group's one copy
+            self._train_vmap(start[lo:hi], xs[lo:hi], ys[lo:hi], cfg, per_client[lo:hi]) for lo, hi in bounds
         ]
         return torch.cat([w for w, _ in parts]), torch.cat([loss for _, loss in parts])
 
