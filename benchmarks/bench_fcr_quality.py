@@ -25,6 +25,7 @@ Run (needs the real data in ../shared/data, or $FLT_DATA; the first run pretrain
     .venv/bin/python benchmarks/bench_fcr_quality.py              # the whole suite
     .venv/bin/python benchmarks/bench_fcr_quality.py --only mnist  # cases whose name matches
     .venv/bin/python benchmarks/bench_fcr_quality.py --only rotate,labels --keep-others  # re-run some, keep the rest
+    .venv/bin/python benchmarks/bench_fcr_quality.py --only cifar10 --encoder channels=16 --out x.json  # other encoder
 Writes benchmarks/results/fcr_quality.json and prints the tables. Centroids are cached
 under benchmarks/.cache/fcr_quality (delete it to re-embed).
 """
@@ -382,6 +383,13 @@ def main() -> None:
         help="keep the rows of cases not run now from the --out file: its tables and worst case cover the whole suite",
     )
     ap.add_argument("--fresh", action="store_true", help="re-embed even when cached")
+    ap.add_argument(
+        "--encoder",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override an encoder setting in every case (e.g. channels=16), to measure another encoder",
+    )
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "fcr_quality.json"))
     args = ap.parse_args()
     if not DATA.is_dir():
@@ -389,6 +397,9 @@ def main() -> None:
     from flt.server import fcr
 
     chosen = [c for c in SUITE if any(part in c.name for part in args.only.split(","))]
+    if args.encoder:
+        over = {k: json.loads(v) for k, _, v in (e.partition("=") for e in args.encoder)}
+        chosen = [replace(c, encoder={**c.encoder, **over}) for c in chosen]
     rows = []
     for case in chosen:
         for seed in case.seeds:

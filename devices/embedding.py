@@ -59,7 +59,7 @@ def embed_finetuned(
     bit for bit the same whichever clients share its device; on a GPU, 32 clients vmapped
     (vmapped convolutions round differently with the group's size)."""
     dev = xs[0].device  # the device's accelerator: its shards live there
-    ae = ConvAE(tuple(meta["in_shape"]), meta["latent"]).to(dev)
+    ae = ConvAE(tuple(meta["in_shape"]), meta["latent"], meta.get("channels", 4)).to(dev)
     spec = param_spec(ae)
     ft = meta["finetune"]
     cfg = TrainConfig(

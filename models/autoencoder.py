@@ -21,23 +21,26 @@ if TYPE_CHECKING:  # onnxruntime is imported where a session is built, not with 
 class ConvAE(nn.Module):
     """ConvAE: 28x28 input -> 4*7*7 = 196 -> ``latent`` (128) as in the paper.
 
+    ``channels`` is the bottleneck's width (the second conv's output): the paper's 4 keeps
+    a quarter of a 28x28 grey image's values, a twelfth of a 32x32 colour image's.
     H and W must be divisible by 4 so the two 2x transposed convs restore the input size.
     """
 
-    def __init__(self, in_shape: tuple[int, int, int] = (1, 28, 28), latent: int = 128):
+    def __init__(self, in_shape: tuple[int, int, int] = (1, 28, 28), latent: int = 128, channels: int = 4):
         super().__init__()
         c, h, w = (int(s) for s in in_shape)
         if h % 4 or w % 4:
             raise ValueError(f"ConvAE needs H and W divisible by 4, got {in_shape}")
         self.in_shape = (c, h, w)
         self.latent = int(latent)
-        bottleneck = (4, h // 4, w // 4)
-        d = 4 * (h // 4) * (w // 4)
+        self.channels = int(channels)
+        bottleneck = (self.channels, h // 4, w // 4)
+        d = self.channels * (h // 4) * (w // 4)
         self.encoder = nn.Sequential(
             nn.Conv2d(c, 16, 3, padding=1),
             nn.ReLU(),
             nn.MaxPool2d(2),
-            nn.Conv2d(16, 4, 3, padding=1),
+            nn.Conv2d(16, self.channels, 3, padding=1),
             nn.ReLU(),
             nn.MaxPool2d(2),
             nn.Flatten(),
@@ -47,7 +50,7 @@ class ConvAE(nn.Module):
             nn.Linear(self.latent, d),
             nn.ReLU(),
             nn.Unflatten(1, bottleneck),
-            nn.ConvTranspose2d(4, 16, 2, stride=2),
+            nn.ConvTranspose2d(self.channels, 16, 2, stride=2),
             nn.ReLU(),
             nn.ConvTranspose2d(16, c, 2, stride=2),
             nn.Sigmoid(),  # inputs are scaled to [0, 1]

@@ -39,9 +39,9 @@ def convae_payload(ctx: Context, params: dict) -> tuple[dict[str, np.ndarray], d
     (Enc2, fine-tuned on each client for J epochs)."""
     e = params["encoder"]
     images = ctx.public_images(e)
-    settings = {k: e[k] for k in ("epochs", "lr", "batch_size", "latent")} | {"seed": ctx.seed}
+    settings = {k: e[k] for k in ("epochs", "lr", "batch_size", "latent", "channels")} | {"seed": ctx.seed}
     ae, info = enc.pretrained_autoencoder(images, settings, ctx.device)
-    meta = {"k": params["k"], "latent": e["latent"], "in_shape": list(images.shape[1:])}
+    meta = {"k": params["k"], "latent": e["latent"], "channels": e["channels"], "in_shape": list(images.shape[1:])}
     info = {"encoder_" + k: v for k, v in info.items()} | {"public_images": int(len(images))}
     if e["finetune_epochs"] == 0:
         onnx = np.frombuffer(export_encoder_onnx(ae, tuple(images.shape[1:])), dtype=np.uint8)

@@ -169,6 +169,28 @@ def test_convae_paper_sizes():
         ConvAE((1, 30, 30))
 
 
+def test_convae_wider_bottleneck_travels_both_ways():
+    """`encoder.channels` widens the bottleneck; the ONNX encoder (Enc1) and the weights a
+    device rebuilds from the encoder message's meta (Enc2) must follow it, or a device
+    would load a 16-channel vector into the paper's 4-channel model."""
+    from flt.devices.embedding import embed_finetuned
+
+    torch.manual_seed(0)
+    ae = ConvAE((3, 32, 32), 128, channels=16)
+    assert ae.encoder[3].out_channels == 16 and ae.encoder[-1].in_features == 16 * 8 * 8
+    assert ae.decoder[3].in_channels == 16
+    x = torch.rand(5, 3, 32, 32)
+    assert ae(x).shape == x.shape
+    sess = onnx_session(export_encoder_onnx(ae, (3, 32, 32)))
+    np.testing.assert_allclose(onnx_embed(sess, x.numpy()), ae.encode(x).detach().numpy(), atol=1e-4)
+    finetune = {"epochs": 1, "lr": 1e-3, "batch_size": 4}
+    meta = {"in_shape": [3, 32, 32], "latent": 128, "channels": 16, "finetune": finetune}
+    (z,) = embed_finetuned(flatten(ae).numpy(), meta, [x], [torch.Generator().manual_seed(0)])
+    assert z.shape == (5, 128)
+    with pytest.raises(ValueError, match="expected last dim"):  # the paper's width cannot hold them
+        embed_finetuned(flatten(ae).numpy(), {**meta, "channels": 4}, [x], [torch.Generator().manual_seed(0)])
+
+
 def _digits_28() -> np.ndarray:
     from sklearn.datasets import load_digits
 

@@ -77,6 +77,9 @@ ENCODER = {
     "lr": Field(float, 1e-3, "Adam learning rate", min=0, open_min=True),
     "batch_size": Field(int, 64, "pretraining batch", min=1),
     "latent": Field(int, 128, "embedding size e", min=1),
+    "channels": Field(
+        int, 4, "ConvAE bottleneck channels (the paper's 4; wider keeps more of a colour image)", min=1, max=256
+    ),
     "finetune_epochs": Field(
         int, 0, "J: clients fine-tune the autoencoder this many epochs (0 = frozen encoder sent as ONNX)", min=0
     ),
