@@ -36,6 +36,7 @@ sys.path.insert(0, str(HERE))
 from machine import machine_info  # noqa: E402
 
 from flt.devices import watch  # noqa: E402
+from flt.models.autoencoder import bottleneck_channels  # noqa: E402
 from flt.scenarios.datasets import load_shared  # noqa: E402
 from flt.server.encoder import pretrained_autoencoder  # noqa: E402
 
@@ -48,7 +49,8 @@ def calibrate(name: str, trials: int, seed: int = 0) -> dict:
     x, y = np.asarray(ds.x), np.asarray(ds.y)
     rng = np.random.default_rng(seed)
     public = rng.choice(len(x), 3000, replace=False)
-    ae, _ = pretrained_autoencoder(x[public], SETTINGS, torch.device("cpu"))
+    settings = SETTINGS | {"channels": bottleneck_channels("auto", x.shape[1])}
+    ae, _ = pretrained_autoencoder(x[public], settings, torch.device("cpu"))
     rest = np.setdiff1d(np.arange(len(x)), public)
     pool = {j: rest[np.isin(y[rest], [2 * j, 2 * j + 1])] for j in range(5)}  # S1's five clusters
 

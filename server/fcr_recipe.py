@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from sklearn.decomposition import PCA
 
-from flt.models.autoencoder import export_encoder_onnx
+from flt.models.autoencoder import bottleneck_channels, export_encoder_onnx
 from flt.models.flat import flatten
 from flt.server import encoder as enc
 from flt.server import fcr
@@ -39,10 +39,11 @@ def convae_payload(ctx: Context, params: dict) -> tuple[dict[str, np.ndarray], d
     (Enc2, fine-tuned on each client for J epochs)."""
     e = params["encoder"]
     images = ctx.public_images(e)
-    settings = {k: e[k] for k in ("epochs", "lr", "batch_size", "latent", "channels")} | {"seed": ctx.seed}
+    channels = bottleneck_channels(e["channels"], images.shape[1])
+    settings = {k: e[k] for k in ("epochs", "lr", "batch_size", "latent")} | {"channels": channels, "seed": ctx.seed}
     ae, info = enc.pretrained_autoencoder(images, settings, ctx.device)
-    meta = {"k": params["k"], "latent": e["latent"], "channels": e["channels"], "in_shape": list(images.shape[1:])}
-    info = {"encoder_" + k: v for k, v in info.items()} | {"public_images": int(len(images))}
+    meta = {"k": params["k"], "latent": e["latent"], "channels": channels, "in_shape": list(images.shape[1:])}
+    info = {"encoder_" + k: v for k, v in info.items()} | {"encoder_channels": channels, "public_images": len(images)}
     if e["finetune_epochs"] == 0:
         onnx = np.frombuffer(export_encoder_onnx(ae, tuple(images.shape[1:])), dtype=np.uint8)
         return {"onnx": onnx}, meta | {"format": "onnx"}, info

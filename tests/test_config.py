@@ -217,3 +217,16 @@ def test_momentum_is_plain_sgd_unless_asked_and_bounded():
     assert config.load(QUICKSTART, ["train.momentum=0.5"])["train"]["momentum"] == 0.5  # its authors' code
     with pytest.raises(ConfigError, match=r"train\.momentum: 1\.5 is above the maximum 1"):
         config.load(QUICKSTART, ["train.momentum=1.5"])
+
+
+def test_encoder_bottleneck_is_the_papers_for_grey_and_wider_for_colour():
+    from flt.models.autoencoder import bottleneck_channels
+
+    flt = next(m for m in config.load(QUICKSTART)["methods"] if m["name"] == "flt")
+    assert flt["params"]["encoder"]["channels"] == "auto"
+    assert bottleneck_channels("auto", 1) == 4  # the paper's ConvAE (28x28 grey)
+    assert bottleneck_channels("auto", 3) == 32  # colour: measured on CIFAR-10 (docs/methods.md)
+    assert bottleneck_channels(8, 3) == 8
+    bad = "methods=[{name: flt, encoder: {channels: 0}}]"
+    with pytest.raises(ConfigError, match=r"channels: .*a positive integer or 'auto'"):
+        config.load(QUICKSTART, [bad])

@@ -65,6 +65,12 @@ PRESETS = {
 
 
 # -- FLT --------------------------------------------------------------------------------
+def positive_or_auto(value: object) -> str | None:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return None
+    return "a positive integer or 'auto'"
+
+
 ENCODER = {
     "dataset": Field(
         str,
@@ -78,7 +84,10 @@ ENCODER = {
     "batch_size": Field(int, 64, "pretraining batch", min=1),
     "latent": Field(int, 128, "embedding size e", min=1),
     "channels": Field(
-        int, 4, "ConvAE bottleneck channels (the paper's 4; wider keeps more of a colour image)", min=1, max=256
+        (int, str),
+        "auto",
+        "ConvAE bottleneck channels: 'auto' (the paper's 4 for grey images, 32 for colour ones) or a positive integer",
+        rule=positive_or_auto,
     ),
     "finetune_epochs": Field(
         int, 0, "J: clients fine-tune the autoencoder this many epochs (0 = frozen encoder sent as ONNX)", min=0
@@ -92,12 +101,6 @@ UMAP = {
     "min_dist": Field(float, 0.1, "UMAP min_dist", min=0),
     "metric": Field(str, "euclidean", "UMAP metric"),
 }
-
-
-def positive_or_auto(value: object) -> str | None:
-    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return None
-    return "a positive integer or 'auto'"
 
 
 def centroid_count(value: object) -> str | None:
