@@ -235,7 +235,8 @@ def _resume(args) -> None:
     for name in ("config.yaml", "partition.npz", "public_indices.npy"):
         if not (run_dir / name).is_file():
             raise ConfigError(f"{run_dir}: no {name}; not a run folder that can be resumed")
-    run_scenario(config.load(str(run_dir / "config.yaml"), []), str(run_dir), resume=True, progress=active())
+    saved = config.load(str(run_dir / "config.yaml"), [], saved=True)
+    run_scenario(saved, str(run_dir), resume=True, progress=active())
 
 
 def guarded(action: Callable[[], object]) -> int:

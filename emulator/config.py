@@ -233,11 +233,15 @@ SCENARIO = {
 }
 
 
-def load(path: str | Path, overrides: Sequence[str] = (), methods: list[str] | None = None) -> dict:
+def load(
+    path: str | Path, overrides: Sequence[str] = (), methods: list[str] | None = None, saved: bool = False
+) -> dict:
     """Read, override and validate a scenario; raise ConfigError naming the file.
 
     `methods` (flt compare) keeps the scenario's entries of those names, with their
-    parameters and labels, and adds a default entry for a name the scenario lacks."""
+    parameters and labels, and adds a default entry for a name the scenario lacks.
+    `saved`: the file is a run folder's own config.yaml (flt run --resume), whose settings
+    that did not exist when it was written keep the value the run started with."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: scenario file not found")
@@ -249,6 +253,8 @@ def load(path: str | Path, overrides: Sequence[str] = (), methods: list[str] | N
         raise ConfigError(f"{path}: the file is empty (a scenario needs at least one field, e.g. name)")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of fields")
+    if saved:
+        pin_former_defaults(raw)
     try:
         resolve_paths(raw, path.resolve().parent)  # the file's own paths: against its folder
         for item in overrides:
@@ -259,6 +265,17 @@ def load(path: str | Path, overrides: Sequence[str] = (), methods: list[str] | N
         return resolve(raw)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def pin_former_defaults(raw: dict) -> None:
+    """A saved config lists every setting its run had; one it lacks is newer than the run,
+    and the run went with the value from before the setting existed. A default that
+    changed since must not change a resumed run (its later re-clustering would embed with
+    another encoder than the one its first FCR used)."""
+    for method in raw.get("methods") or []:
+        encoder = method.get("encoder") if isinstance(method, dict) else None
+        if isinstance(encoder, dict):
+            encoder.setdefault("channels", 4)  # every ConvAE had the paper's 4 before 2026-11-28
 
 
 def apply_override(raw: dict, item: str) -> None:

@@ -173,9 +173,8 @@ def run_suite(paths: list[Path], overrides: list[str], out: Path, display: Displ
         tic = time.monotonic()
         try:
             if st == "interrupted":
-                run_scenario(
-                    config.load(entry.folder / "config.yaml", []), str(entry.folder), progress=display, resume=True
-                )
+                saved = config.load(entry.folder / "config.yaml", [], saved=True)
+                run_scenario(saved, str(entry.folder), progress=display, resume=True)
             else:
                 run_scenario(entry.cfg, str(entry.folder), progress=display)
             outcome.append(

@@ -230,3 +230,18 @@ def test_encoder_bottleneck_is_the_papers_for_grey_and_wider_for_colour():
     bad = "methods=[{name: flt, encoder: {channels: 0}}]"
     with pytest.raises(ConfigError, match=r"channels: .*a positive integer or 'auto'"):
         config.load(QUICKSTART, [bad])
+
+
+def test_a_resumed_run_keeps_the_bottleneck_it_started_with(tmp_path):
+    """A run folder's config.yaml from before `encoder.channels` existed ran the paper's 4
+    channels on colour images too; resuming it must not switch to today's default."""
+    cfg = config.load(QUICKSTART)
+    old = {k: v for k, v in cfg.items() if k != "methods"}
+    old["methods"] = [{"name": "flt", "label": "flt", "encoder": {"dataset": "public", "epochs": 1}}]
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(old))
+    assert config.load(path, saved=True)["methods"][0]["params"]["encoder"]["channels"] == 4
+    assert config.load(path)["methods"][0]["params"]["encoder"]["channels"] == "auto"
+    old["methods"][0]["encoder"]["channels"] = 16  # a newer folder keeps what it says
+    path.write_text(yaml.safe_dump(old))
+    assert config.load(path, saved=True)["methods"][0]["params"]["encoder"]["channels"] == 16
