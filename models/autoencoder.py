@@ -22,7 +22,8 @@ def bottleneck_channels(setting: int | str, in_channels: int) -> int:
     """The ConvAE's bottleneck width for `encoder.channels`: 'auto' keeps the paper's 4 for
     grey images and takes 32 for colour ones, where 4 channels keep a twelfth of a 32x32
     image's values and CIFAR-10's animal groups do not separate (32: the narrowest width
-    measured that held on every CIFAR-10 case of the FCR quality suite)."""
+    measured that found the planted groups in every separable CIFAR-10 case of the FCR
+    quality suite, benchmarks/README.md)."""
     if setting == "auto":
         return 4 if in_channels == 1 else 32
     return int(setting)
