@@ -19,7 +19,7 @@ from sklearn.metrics import silhouette_score
 from torch.func import functional_call, vmap
 
 from flt.devices.trainer import CohortTrainer, TrainConfig, _pad
-from flt.models.autoencoder import ConvAE, onnx_embed, onnx_session
+from flt.models.autoencoder import PAPER_CHANNELS, ConvAE, onnx_embed, onnx_session
 from flt.models.flat import param_spec
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ def embed_finetuned(
     bit for bit the same whichever clients share its device; on a GPU, 32 clients vmapped
     (vmapped convolutions round differently with the group's size)."""
     dev = xs[0].device  # the device's accelerator: its shards live there
-    ae = ConvAE(tuple(meta["in_shape"]), meta["latent"], meta.get("channels", 4)).to(dev)
+    ae = ConvAE(tuple(meta["in_shape"]), meta["latent"], meta.get("channels", PAPER_CHANNELS)).to(dev)
     spec = param_spec(ae)
     ft = meta["finetune"]
     cfg = TrainConfig(

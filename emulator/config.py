@@ -275,7 +275,9 @@ def pin_former_defaults(raw: dict) -> None:
     for method in raw.get("methods") or []:
         encoder = method.get("encoder") if isinstance(method, dict) else None
         if isinstance(encoder, dict):
-            encoder.setdefault("channels", 4)  # every ConvAE had the paper's 4 before 2026-11-28
+            # autoencoder.PAPER_CHANNELS (not imported: this module stays torch-free); every
+            # ConvAE had it before 2026-11-28
+            encoder.setdefault("channels", 4)
 
 
 def apply_override(raw: dict, item: str) -> None:

@@ -18,6 +18,10 @@ if TYPE_CHECKING:  # onnxruntime is imported where a session is built, not with 
     from onnxruntime import InferenceSession
 
 
+PAPER_CHANNELS = 4  # the paper's ConvAE: 4 x 7 x 7 = 196 values for a 28x28 grey image
+COLOUR_CHANNELS = 32  # encoder.channels' 'auto' for colour images (bottleneck_channels)
+
+
 def bottleneck_channels(setting: int | str, in_channels: int) -> int:
     """The ConvAE's bottleneck width for `encoder.channels`: 'auto' keeps the paper's 4 for
     grey images and takes 32 for colour ones, where 4 channels keep a twelfth of a 32x32
@@ -25,7 +29,7 @@ def bottleneck_channels(setting: int | str, in_channels: int) -> int:
     measured that found the planted groups in every separable CIFAR-10 case of the FCR
     quality suite, benchmarks/README.md)."""
     if setting == "auto":
-        return 4 if in_channels == 1 else 32
+        return PAPER_CHANNELS if in_channels == 1 else COLOUR_CHANNELS
     return int(setting)
 
 
@@ -37,7 +41,7 @@ class ConvAE(nn.Module):
     H and W must be divisible by 4 so the two 2x transposed convs restore the input size.
     """
 
-    def __init__(self, in_shape: tuple[int, int, int] = (1, 28, 28), latent: int = 128, channels: int = 4):
+    def __init__(self, in_shape: tuple[int, int, int] = (1, 28, 28), latent: int = 128, channels: int = PAPER_CHANNELS):
         super().__init__()
         c, h, w = (int(s) for s in in_shape)
         if h % 4 or w % 4:

@@ -240,7 +240,9 @@ def test_a_resumed_run_keeps_the_bottleneck_it_started_with(tmp_path):
     old["methods"] = [{"name": "flt", "label": "flt", "encoder": {"dataset": "public", "epochs": 1}}]
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(old))
-    assert config.load(path, saved=True)["methods"][0]["params"]["encoder"]["channels"] == 4
+    from flt.models.autoencoder import PAPER_CHANNELS
+
+    assert config.load(path, saved=True)["methods"][0]["params"]["encoder"]["channels"] == PAPER_CHANNELS
     assert config.load(path)["methods"][0]["params"]["encoder"]["channels"] == "auto"
     old["methods"][0]["encoder"]["channels"] = 16  # a newer folder keeps what it says
     path.write_text(yaml.safe_dump(old))
