@@ -47,6 +47,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
+import yaml  # noqa: E402
 from machine import machine_info  # noqa: E402
 from sklearn.linear_model import LogisticRegression  # noqa: E402
 from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score  # noqa: E402
@@ -398,7 +399,7 @@ def main() -> None:
 
     chosen = [c for c in SUITE if any(part in c.name for part in args.only.split(","))]
     if args.encoder:
-        over = {k: json.loads(v) for k, _, v in (e.partition("=") for e in args.encoder)}
+        over = {k: yaml.safe_load(v) for k, _, v in (e.partition("=") for e in args.encoder)}  # as --set parses
         chosen = [replace(c, encoder={**c.encoder, **over}) for c in chosen]
     rows = []
     for case in chosen:

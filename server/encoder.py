@@ -20,7 +20,7 @@ import torch
 
 from flt.common.files import cache_dir
 from flt.common.schema import ConfigError
-from flt.models.autoencoder import PAPER_CHANNELS, ConvAE
+from flt.models.autoencoder import ConvAE
 from flt.reports.terminal import Progress, active, step
 from flt.scenarios.datasets import load_dataset
 
@@ -92,7 +92,7 @@ def pretrained_autoencoder(
     key = cache_key(images, settings)
     path = cache_dir() / "encoders" / f"convae-{key}.pt"
     torch.manual_seed(settings["seed"])  # initial weights too: the key must determine the encoder
-    ae = ConvAE(tuple(images.shape[1:]), settings["latent"], settings.get("channels", PAPER_CHANNELS))
+    ae = ConvAE(tuple(images.shape[1:]), settings["latent"], settings["channels"])
     # the final loss is kept beside the weights: a cache hit reports what a miss does
     # (apart from the timing fields), so reruns give the same summary
     facts = path.with_suffix(".json")
