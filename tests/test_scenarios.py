@@ -125,10 +125,14 @@ def test_cifar10_cnn_with_public_slice_and_enc2_stand_in_runs(tmp_path):
 
 
 @pytest.mark.slow  # parsing FEMNIST's 83 MB of LEAF JSON into a fresh cache: ~25 s on 2 cores
-def test_structured_sampler_on_pooled_femnist_runs(tmp_path):
+def test_structured_sampler_on_pooled_femnist_runs_with_a_public_slice(tmp_path):
     need_shared("femnist")
-    methods = tiny(SCENARIOS / "s4_femnist.yaml", tmp_path, ["fedavg"], clients=20, test_per_client=5)
-    assert methods["fedavg"]["rounds"] == 2
+    methods = tiny(SCENARIOS / "s4_femnist_enc1.yaml", tmp_path, ["fedavg", "flt_enc1"], clients=20, test_per_client=5)
+    assert methods["fedavg"]["rounds"] == methods["flt_enc1"]["rounds"] == 2
     shards = Partition.load(tmp_path / "run" / "partition.npz")
     assert np.array_equal(np.bincount(shards.cluster), [2] * 10)  # ten planted clusters of two
     assert min(len(t) for t in shards.train) >= 1 and "cluster 9: classes" in " ".join(shards.notes)
+    # Enc1 learns from the held-out 10 % only: the structured sampler never hands it out
+    public = np.load(tmp_path / "run" / "public_indices.npy")
+    assert len(public) == methods["flt_enc1"]["fcr"]["public_images"] > 1000
+    assert not np.isin(public, np.concatenate(shards.train)).any()
