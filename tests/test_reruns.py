@@ -123,9 +123,10 @@ def test_client_streams_depend_on_seed_and_client_only():
 
 
 @pytest.mark.slow
-def test_one_two_or_three_device_processes_give_identical_results(tmp_path):
+def test_one_or_three_device_processes_give_identical_results(tmp_path):
+    # three devices host 20 clients unevenly (7, 7, 6); two (an even split) run in test_shift.py
     runs, moved = [], []
-    for n in (1, 2, 3):
+    for n in (1, 3):
         out = tmp_path / f"p{n}"
         res = subprocess.run(
             [
@@ -153,10 +154,10 @@ def test_one_two_or_three_device_processes_give_identical_results(tmp_path):
         lines = (out / "fedavg" / "metrics.jsonl").read_text().splitlines()
         assert all('"timing": {' in line for line in lines)  # wall-clock figures are named as such
         moved.append(json.loads((out / "summary.json").read_text())["timing"]["tasks_off_host"])
-    assert runs[0] == runs[1] == runs[2]
+    assert runs[0] == runs[1]
     # with more than one device, training tasks ran off their client's host (server/routing.py),
     # and the bytes did not move
-    assert moved[0] == 0 and moved[1] > 0 and moved[2] > 0
+    assert moved[0] == 0 and moved[1] > 0
 
 
 @pytest.mark.slow

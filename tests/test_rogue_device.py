@@ -28,7 +28,7 @@ from flt.emulator.config import load
 from flt.server.auth import gate_for, uses_curve
 
 ROGUE = Path(__file__).with_name("rogue_device.py")
-ROUND_TIMEOUT_S = 3  # the embedding waits 4x this; the rogue has preloaded what a forked device has
+ROUND_TIMEOUT_S = 2  # the embedding waits 4x this; the rogue has preloaded what a forked device has
 ROGUE_CLIENTS = list(range(10, 20))  # the second of two devices hosts the second half of 20
 
 
