@@ -15,6 +15,7 @@ import yaml
 from flt.common.schema import ConfigError
 from flt.emulator.config import load, resolve_paths
 from flt.models.nets import build_model
+from flt.scenarios.datasets import load_dataset
 from flt.scenarios.partition import Partition
 from flt.server.encoder import fit_shape
 from tests.conftest import REPO, SHARED_DATA, need_shared
@@ -88,7 +89,8 @@ def tiny(path: Path, tmp: Path, labels: list[str], enc2: dict | None = None, **p
     for m in raw["methods"]:
         if isinstance(m, dict) and "encoder" in m:
             m["encoder"].update(epochs=1, finetune_epochs=min(1, m["encoder"].get("finetune_epochs", 0)))
-            m["encoder"].update(enc2 if m.get("label") == "flt_enc2" and enc2 else {})
+            if m.get("label") == "flt_enc2" and enc2:
+                m["encoder"].update(enc2)
     (tmp / "tiny.yaml").write_text(yaml.safe_dump(raw))
     res = subprocess.run(
         [sys.executable, "-m", "flt.emulator.cli", "run", str(tmp / "tiny.yaml"), "--out", str(tmp / "run")],
@@ -101,12 +103,12 @@ def tiny(path: Path, tmp: Path, labels: list[str], enc2: dict | None = None, **p
     return json.loads((tmp / "run" / "summary.json").read_text())["methods"]
 
 
-@pytest.mark.slow  # decoding 60,000 JPEGs, pretraining on 60,000 images: ~70 s on 2 loaded cores
+@pytest.mark.slow  # decoding 60,000 JPEGs into a fresh cache: ~35 s on 2 cores
 def test_cifar10_cnn_with_public_slice_and_enc2_stand_in_runs(tmp_path):
     need_shared("cifar10-jpg")
     # Enc2 from scikit-learn's grey digits, not the file's Fashion-MNIST: the same path (another
-    # dataset, grey made colour and resized, fine-tuned on the clients) at 1/40 of the
-    # pretraining time (60,000 images took a minute of this test on 2 cores)
+    # dataset, grey made colour and resized, fine-tuned on the clients) on 1/45 of the images
+    # (pretraining on Fashion-MNIST's 60,000 took a minute of this test on 2 cores)
     methods = tiny(
         SCENARIOS / "s1_cifar10.yaml",
         tmp_path,
@@ -122,7 +124,7 @@ def test_cifar10_cnn_with_public_slice_and_enc2_stand_in_runs(tmp_path):
     train = np.concatenate(Partition.load(tmp_path / "run" / "partition.npz").train)
     assert not np.isin(public, train).any()
     assert methods["flt_enc1"]["fcr"]["public_images"] == 1000
-    assert methods["flt_enc2"]["fcr"]["public_images"] == 1347  # digits' train split, as 3x32x32
+    assert methods["flt_enc2"]["fcr"]["public_images"] == len(load_dataset("digits", None, train=True).y)
     assert methods["flt_enc2"]["fcr"]["encoder_channels"] == 32  # the colour default, from the clients' shape
     cifar_cnn = build_model("cifar_cnn", (3, 32, 32), 10)
     for m in methods.values():
