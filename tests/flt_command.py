@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
+import json
+import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -12,11 +18,44 @@ QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
 
 
 def flt(*args: str, timeout: float = 900, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """`flt ARGS...` from `cwd` (the repository by default); a run that outlives `timeout`
-    fails the test instead of hanging it."""
-    return subprocess.run(
-        [sys.executable, "-m", "flt.emulator.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
+    """`flt ARGS...` from `cwd` (the repository by default), in a process of its own forked
+    from a warm interpreter (tests/warm_cli.py: the command's imports are paid once per
+    test session), with this process's environment; a run that outlives `timeout` is
+    killed and fails the test instead of hanging it."""
+    argv = [sys.executable, "-m", "flt.emulator.cli", *args]
+    with tempfile.TemporaryDirectory() as tmp, socket.socket(socket.AF_UNIX) as sock:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        request = {"argv": list(args), "cwd": str(cwd), "env": dict(os.environ), "stdout": str(out), "stderr": str(err)}
+        sock.connect(_warm_server())
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        sock.settimeout(timeout)
+        replies = sock.makefile("rb")
+        pid = json.loads(replies.readline())["pid"]
+        try:
+            code = json.loads(replies.readline())["code"]
+        except TimeoutError:
+            os.kill(pid, signal.SIGKILL)
+            raise subprocess.TimeoutExpired(argv, timeout) from None
+        return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
+
+
+_warm: tuple[subprocess.Popen, str] | None = None
+
+
+def _warm_server() -> str:
+    """The socket of this test session's warm interpreter, started on first use."""
+    global _warm
+    if _warm is None or _warm[0].poll() is not None:
+        folder = tempfile.mkdtemp(prefix="flt-warm-")
+        atexit.register(shutil.rmtree, folder, True)
+        path = str(Path(folder, "cli.sock"))
+        script = str(Path(__file__).with_name("warm_cli.py"))
+        server = subprocess.Popen([sys.executable, script, path], stdout=subprocess.PIPE)
+        if server.stdout is None or server.stdout.readline() != b"ready\n":
+            raise RuntimeError(f"tests/warm_cli.py did not start (exit code {server.wait()})")
+        atexit.register(server.kill)
+        _warm = (server, path)
+    return _warm[1]
 
 
 def flt_popen(*args: str, **popen: object) -> subprocess.Popen:

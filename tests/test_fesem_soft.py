@@ -5,13 +5,12 @@ separates the clusters, and the method learns on the quickstart over real proces
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from flt_command import flt  # tests/ is on sys.path under pytest
 
 from flt.common.schema import ConfigError
 from flt.server.ops import EVALUATE, TRAIN
@@ -112,24 +111,18 @@ def test_cluster_average_with_hard_and_soft_responsibilities():
 
 @pytest.mark.slow
 def test_fesem_soft_learns_on_the_quickstart(tmp_path):
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flt.emulator.cli",
-            "run",
-            str(ROOT / "scenarios/quickstart.yaml"),
-            "--set",
-            "methods=[fedavg, fesem_soft]",
-            "--set",
-            "train.rounds=10",
-            "--set",
-            "train.eval_every=10",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
+    quickstart = str(ROOT / "scenarios/quickstart.yaml")
+    res = flt(
+        "run",
+        quickstart,
+        "--set",
+        "methods=[fedavg, fesem_soft]",
+        "--set",
+        "train.rounds=10",
+        "--set",
+        "train.eval_every=10",
+        "--out",
+        str(tmp_path),
         timeout=600,
     )
     assert res.returncode == 0, res.stderr[-3000:]
