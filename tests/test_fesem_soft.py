@@ -5,12 +5,11 @@ separates the clusters, and the method learns on the quickstart over real proces
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from flt_command import flt  # tests/ is on sys.path under pytest
+from flt_command import QUICKSTART, flt  # tests/ is on sys.path under pytest
 
 from flt.common.schema import ConfigError
 from flt.server.ops import EVALUATE, TRAIN
@@ -20,7 +19,6 @@ from flt.server.strategies.fedsem import FedSEM
 from flt.server.strategies.fesem_soft import FeSEMSoft
 
 P, M = 12, 20
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def ctx(tmp_path, truth) -> Context:
@@ -111,10 +109,9 @@ def test_cluster_average_with_hard_and_soft_responsibilities():
 
 @pytest.mark.slow
 def test_fesem_soft_learns_on_the_quickstart(tmp_path):
-    quickstart = str(ROOT / "scenarios/quickstart.yaml")
     res = flt(
         "run",
-        quickstart,
+        str(QUICKSTART),
         "--set",
         "methods=[fedavg, fesem_soft]",
         "--set",
