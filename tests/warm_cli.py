@@ -64,8 +64,7 @@ def serve(path: str) -> dict:
         for pid, conn in list(children.items()):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-                reply(conn, {"code": code})
+                reply(conn, {"code": os.waitstatus_to_exitcode(status)})
                 conn.close()
                 del children[pid]
     sys.exit(0)
