@@ -55,7 +55,7 @@ from sklearn.model_selection import GroupKFold  # noqa: E402
 
 DATA = Path(os.environ.get("FLT_DATA", REPO.parent / "shared" / "data")).resolve()
 CACHE = REPO / "benchmarks" / ".cache" / "fcr_quality"
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 # -- the suite ---------------------------------------------------------------------------
 S1 = {"kind": "clusters", "clusters": 5, "classes_per_cluster": 2, "shared_classes": 0}
@@ -265,7 +265,10 @@ def variants():
         "whitened, energy, ward, splits, unweighted": R(),
         "whitened, energy, ward, splits 2.0": R(min_split=2.0),
         "whitened, energy, ward, splits 2.75": R(min_split=2.75),
-        "set: whitened, energy, ward, splits 2.25 (default)": fcr.PRESETS["set"],
+        "whitened, energy, ward, splits 2.25 (the default until 2026-11-29)": R(choose="splits"),
+        "whitened, energy, ward, splits 2.25 or held-out halves 4": R(min_heldout=4.0),
+        "whitened, energy, ward, splits 2.25 or held-out halves 6": R(min_heldout=6.0),
+        "set: whitened, energy, ward, splits 2.25 or held-out halves 5 (default)": fcr.PRESETS["set"],
     }
 
 
@@ -294,7 +297,8 @@ def centroids_for(case: Case, seed: int, fresh: bool = False) -> dict:
     from flt.emulator.relate import relate_scenario
 
     raw = scenario(case, seed)
-    # CACHE_VERSION: what the clients send changed (2: each centroid's share of the samples)
+    # CACHE_VERSION: what the clients send changed (2: each centroid's share of the samples;
+    # 3: the same summary of two halves of their data)
     key = hashlib.sha256(json.dumps({**raw, "cache": CACHE_VERSION}, sort_keys=True).encode()).hexdigest()[:16]
     out = CACHE / f"{case.name}-s{seed}-{key}"
     npz = out / "flt" / "fcr.npz"
@@ -305,14 +309,36 @@ def centroids_for(case: Case, seed: int, fresh: bool = False) -> dict:
     with np.load(npz) as z:
         owner, cents, truth, shares = z["owner"], z["centroids"], z["truth"], z["shares"]
         classes = z.get("classes")
+        halves = {k: z[k] for k in ("halves", "half_shares", "half_owner", "half_side") if k in z}
     clients = np.unique(owner)
     return {
         "sets": [cents[owner == c] for c in clients],
         "shares": [shares[owner == c] for c in clients],
         "classes": None if classes is None else [classes[owner == c] for c in clients],
+        "halves": halves or None,
+        "clients": clients,
         "truth": truth,
         "embed_s": float((out / "embed_seconds.txt").read_text()),
     }
+
+
+def halves_for(case: Case, clients: np.ndarray, saved: dict | None, labelled: bool):
+    """fcr.Halves from fcr.npz's arrays, projected as FLT projects them (FLT._halves_of)."""
+    from flt.server import fcr
+
+    if saved is None:
+        return None
+    have = np.flatnonzero(np.isin(clients, saved["half_owner"]))
+    pick = [(saved["half_owner"] == clients[i]) & (saved["half_side"] == side) for side in (0, 1) for i in have]
+    rows, shares = [saved["halves"][p] for p in pick], [saved["half_shares"][p] for p in pick]
+    classes = [r[:, -1].astype(np.int64) for r in rows] if labelled else None
+    rows = [np.ascontiguousarray(r[:, :-1]) for r in rows] if labelled else rows
+    if "finetune_epochs" not in case.encoder:  # one whitening for both halves, as FLT does
+        rows = fcr.whiten(rows, shares)
+    n = len(have)
+    a, b, a_w, b_w = rows[:n], rows[n:], shares[:n], shares[n:]
+    a_c, b_c = (None, None) if classes is None else (classes[:n], classes[n:])
+    return fcr.Halves(have, a, b, a_w, b_w, a_c, b_c)
 
 
 def probe_accuracy(sets: list[np.ndarray], truth: np.ndarray, seed: int = 0) -> float | None:
@@ -350,7 +376,7 @@ def knn_accuracy(sets: list[np.ndarray], truth: np.ndarray, k: int = 5) -> float
     return float((votes.argmax(1) == truth).mean())
 
 
-def evaluate(case, sets, truth, how, seed: int, umap_points, classes=None, shares=None) -> dict:
+def evaluate(case, sets, truth, how, seed: int, umap_points, classes=None, shares=None, halves=None) -> dict:
     """One pipeline on one case's centroids, as FLT runs it (the space, then relate)."""
     from flt.server import fcr
 
@@ -361,7 +387,7 @@ def evaluate(case, sets, truth, how, seed: int, umap_points, classes=None, share
         points = fcr.whiten(sets, shares)
     else:
         points = sets
-    found = fcr.relate(points, how, classes=classes, weights=shares)
+    found = fcr.relate(points, how, classes=classes, weights=shares, halves=halves)
     out = {"clusters": found.n_clusters, "seconds": time.perf_counter() - tic}
     if (truth >= 0).all():
         planted = len(np.unique(truth))
@@ -421,9 +447,12 @@ def main() -> None:
                 "knn": knn_accuracy(sets, truth),
                 "variants": {},
             }
+            halves = halves_for(case, got["clients"], got["halves"], got["classes"] is not None)
             for name, how in variants().items():
                 shares = None if name in UNWEIGHTED else got["shares"]
-                row["variants"][name] = evaluate(case, sets, truth, how, seed, umap_points, got["classes"], shares)
+                row["variants"][name] = evaluate(
+                    case, sets, truth, how, seed, umap_points, got["classes"], shares, halves
+                )
             rows.append(row)
             print(_row_line(row), flush=True)
     if args.keep_others and Path(args.out).is_file():

@@ -5,7 +5,8 @@ Three encoders can arrive over the wire (message kind "encoder"):
 - "autoencoder": the whole ConvAE as a flat float32 vector; each client fine-tunes its
   own copy for J epochs on its own data (Enc2), then embeds with it in eval mode;
 - "linear": a shared PCA basis (components, mean) for the PCA+kM+HC baseline.
-Only the k x e centroids leave the device.
+Only summaries leave the device: k x e centroids of all the client's data and of each of two
+halves of it (what the server tests its clusters on), with their shares.
 """
 
 from __future__ import annotations
@@ -107,6 +108,14 @@ def centroids(emb: np.ndarray, k: int | Literal["auto"], seed: int, k_max: int =
     count = max(1, min(int(k), n))
     km = KMeans(n_clusters=count, n_init=10, random_state=seed).fit(emb)
     return km.cluster_centers_.astype(np.float32), _shares(km.labels_, count)
+
+
+def split_halves(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two disjoint random halves of a client's n samples (seeded): the server draws its
+    clusters on summaries of the first and tests them on the second (server/fcr.py
+    heldout_clusters), so both must come from the same client's data, never shared."""
+    order = np.random.default_rng(seed).permutation(n)
+    return np.sort(order[: n // 2]), np.sort(order[n // 2 :])
 
 
 def label_means(emb: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

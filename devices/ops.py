@@ -250,10 +250,9 @@ def embed(device: Device, batch: list[Message]) -> list[Message]:
         embs = embedding.embed_finetuned(t["weights"], meta, xs, generators(batch))
     out = []
     for m, e in zip(batch, embs, strict=True):
-        if meta["k"] == "labels":
-            c, shares = embedding.label_means(e, device.shards[m.client].y.cpu().numpy())
-        else:
-            c, shares = embedding.centroids(e, meta["k"], seed=client_seed(meta["seed"], m.client))
+        y = device.shards[m.client].y.cpu().numpy()
+        seed = client_seed(meta["seed"], m.client)
+        tensors, half_k = _summaries(e, y, meta["k"], seed)
         device.flags.discard(m.client)
         # the image test sees neither a fine-tuned encoder it does not keep nor a label
         # change (k: labels): then any change of the store raises the flag
@@ -264,11 +263,30 @@ def embed(device: Device, batch: list[Message]) -> list[Message]:
                 "centroids",
                 m.round,
                 m.client,
-                tensors={"centroids": c, "shares": shares},
-                meta={"batch": m.meta["batch"], "n": len(e)},
+                tensors=tensors,
+                meta={"batch": m.meta["batch"], "n": len(e)} | ({"half_k": half_k} if half_k else {}),
             )
         )
     return out
+
+
+def _summaries(e: np.ndarray, y: np.ndarray, k, seed: int) -> tuple[dict[str, np.ndarray], int]:
+    """The client's summary of all its data (k centroids and their shares, or its class
+    means) and the same summary of each of two disjoint halves of it, stacked ("halves",
+    "half_shares"; the first half_k rows are the first half's). A client with fewer than
+    two samples has no halves (half_k 0)."""
+
+    def summary(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if k == "labels":
+            return embedding.label_means(e[idx], y[idx])
+        return embedding.centroids(e[idx], k, seed=seed)
+
+    c, shares = summary(np.arange(len(e)))
+    tensors = {"centroids": c, "shares": shares}
+    if len(e) < 2:
+        return tensors, 0
+    (ca, sa), (cb, sb) = (summary(h) for h in embedding.split_halves(len(e), seed))
+    return tensors | {"halves": np.concatenate([ca, cb]), "half_shares": np.concatenate([sa, sb])}, len(ca)
 
 
 def _images_of(shard) -> Callable[[], np.ndarray]:

@@ -10,7 +10,10 @@ set     (the default: no threshold, no per-dataset knob)
     linkage on its root, and C = the finest cut whose every split is real
     (`split_clusters`: each merge above the cut scores `split_score` >= `min_split`,
     against the spread inside the final clusters, so nested groups do not hide a finer
-    cut); none is: C = 1. Everything is invariant to scaling the centroids.
+    cut), or, if finer, the finest cut that held-out data confirms (`heldout_clusters`:
+    clients also summarise two random halves of their data; the dendrogram of the first
+    halves is cut where every merge separates the second halves, `heldout_z` >=
+    `min_heldout`); neither: C = 1. Everything is invariant to scaling the centroids.
 chamfer (the default until Dec 2026)
     A_ij = symmetric Chamfer distance between the raw centroid sets:
     (mean_r min_s d_rs + mean_s min_r d_rs) / 2; average linkage; C by the silhouette of
@@ -57,6 +60,22 @@ class Clustering:
     n_clusters: int
     silhouette: float | None  # of the chosen cut on A (None for C = 1)
     separation: float | None = None  # of the best cut, whether it was kept or not (module docstring)
+    chosen_by: str | None = None  # which rule set C under choose 'halves': "splits" or "halves"
+
+
+@dataclass
+class Halves:
+    """Each client's summary of two disjoint random halves of its data, in the same form
+    (and space) as its whole-data summary: `a[i]`, `b[i]` belong to client `members[i]`
+    (an index into the clients related; a client with fewer than two samples sends none)."""
+
+    members: np.ndarray
+    a: list[np.ndarray]
+    b: list[np.ndarray]
+    a_weights: list[np.ndarray]
+    b_weights: list[np.ndarray]
+    a_classes: list[np.ndarray] | None = None
+    b_classes: list[np.ndarray] | None = None
 
 
 def umap_project(
@@ -233,10 +252,13 @@ def relate(
     device: torch.device | None = None,
     classes: list[np.ndarray] | None = None,
     weights: list[np.ndarray] | None = None,
+    halves: Halves | None = None,
 ) -> Clustering:
     """Steps 3-4 of FCR on already projected points (UMAP is the caller's: it is seeded
     and slow, and the embedding-space pipeline skips it); `classes` (label-conditioned
-    centroids) makes the set distance match points of the same class."""
+    centroids) makes the set distance match points of the same class; `halves` (the
+    clients' summaries of two halves of their data) is what choose 'halves' tests on,
+    which is 'splits' without them."""
     m = len(points)
     # class-by-class matching (k: labels) needs a distance that matches points: the energy
     # distance compares the sets as wholes, and a label swap leaves the pooled points as
@@ -256,13 +278,18 @@ def relate(
     else:
         z = linkage(squareform(adj, checks=False), method=how.linkage)
     cap = max(1, min(max_clusters, m - 1))
-    gap = None
+    gap, chosen_by = None, None
     if n_clusters != "auto":
         c = max(1, min(int(n_clusters), m))
     elif how.choose == "gap":
         c = gap_clusters(z, cap)
-    elif how.choose == "splits":
+    elif how.choose in ("splits", "halves"):
         c = split_clusters(z, squared, cap, how.min_split)
+        if how.choose == "halves" and halves is not None and len(halves.members) >= 4:
+            # the finer of the two tests: the held-out one confirms splits that the
+            # whole-data score cannot tell from noise when clients hold few samples each
+            held = heldout_clusters(halves, how, kind, cap, device)
+            c, chosen_by = (held, "halves") if held > c else (c, "splits")
         if c > 1:  # reported: how far apart the chosen clusters are (module docstring)
             gap = separation(squared if kind == "energy" else adj, fcluster(z, c, criterion="maxclust") - 1, points)
     else:
@@ -276,7 +303,7 @@ def relate(
     c = int(labels.max() + 1)
     if graph is None:
         graph = cluster_graph(labels)
-    return Clustering(labels, adj, graph, z, c, _silhouette(adj, labels), gap)
+    return Clustering(labels, adj, graph, z, c, _silhouette(adj, labels), gap, chosen_by)
 
 
 def separation(adj: np.ndarray, labels: np.ndarray, points: list[np.ndarray], sample: int = 2000) -> float:
@@ -355,6 +382,90 @@ def split_clusters(z: np.ndarray, adj: np.ndarray, max_clusters: int, min_split:
         if all(split_score(adj, left, right, final) >= min_split for left, right in merges):
             return c
     return 1
+
+
+def heldout_clusters(
+    halves: Halves, how: Relatedness, kind: str, max_clusters: int, device: torch.device | None = None
+) -> int:
+    """C chosen on one half of every client's data and tested on the other: the finest cut
+    of the dendrogram of the first halves (same distance and linkage as the whole data's)
+    whose every merge above it separates the same clients' second halves, `heldout_z`
+    >= how.min_heldout; 1 when none does. The second halves played no part in drawing the
+    split, so a split of one homogeneous group scores like noise (about 0) however the
+    dendrogram chose it, while a real one grows with the number of clients on each side.
+
+    Only where sampling noise hides the clients' differences (`noise_dominates`): there
+    the whole-data split score cannot see groups, and the clients of one group differ by
+    noise alone. Where clients differ by more than noise (FEMNIST's writers), that score
+    already judges whether the differences form groups or a continuum, and a held-out
+    test would confirm any split of a continuum."""
+    n = len(halves.a)
+    classes = None if halves.a_classes is None else halves.a_classes + (halves.b_classes or [])
+    both = set_distance(
+        halves.a + halves.b, kind, device=device, classes=classes, weights=halves.a_weights + halves.b_weights
+    )
+    both = _squared(both, kind)
+    da, db, cross = both[:n, :n], both[n:, n:], both[:n, n:]
+    if not noise_dominates(cross):
+        return 1
+    z = linkage(squareform(np.sqrt(da), checks=False), method="ward" if how.linkage == "ward_graph" else how.linkage)
+    members = _members(z, n, max_clusters)
+    scores: dict[int, float] = {}  # merge node -> z, each node tested once across the cuts
+    for c in range(min(max_clusters, n - 1), 1, -1):
+        final = fcluster(z, c, criterion="maxclust") - 1
+        if np.bincount(final).min() < 2:
+            continue
+        nodes = range(n + n - 2, n + n - 1 - c, -1)
+        for node in sorted(nodes):  # smallest merges first: they fail first
+            if node not in scores:
+                scores[node] = heldout_z(db, *members[node])
+            if scores[node] < how.min_heldout:
+                break
+        else:
+            return c
+    return 1
+
+
+def noise_dominates(cross: np.ndarray) -> bool:
+    """Whether the sampling noise of the clients' whole-data summaries exceeds their
+    genuine differences, from squared distances between first halves (rows) and second
+    halves (columns). The two halves of one client differ by noise alone, so
+    mean_i cross_ii / 2 is the noise variance of a half summary (half that of a whole
+    one); noise is independent across halves, so the centred cross products
+    <a_i - mean a, b_i - mean b> average to the genuine variance between clients."""
+    n = len(cross)
+    centred = cross - cross.mean(0, keepdims=True) - cross.mean(1, keepdims=True) + cross.mean()
+    genuine = -0.5 * np.trace(centred) / n
+    noise = np.trace(cross) / (2 * n)
+    return genuine < noise / 2
+
+
+def _squared(dist: np.ndarray, kind: str) -> np.ndarray:
+    """energy already is a squared distance; the others are squared here."""
+    return dist if kind == "energy" else dist**2
+
+
+def heldout_z(adj: np.ndarray, left: np.ndarray, right: np.ndarray, permutations: int = 200) -> float:
+    """How far apart two groups of clients are on held-out data, in standard deviations of
+    the same statistic over random relabellings of their clients (a permutation test):
+    d2 = mean_{L x R} A - s_L - s_R, A squared distances (split_score's d2). Seeded, so
+    the same clients give the same z."""
+    idx = np.concatenate([left, right])
+    sub = adj[np.ix_(idx, idx)]
+    n, nl = len(idx), len(left)
+    nr = n - nl
+    rng = np.random.default_rng(0)
+    sides = np.zeros((permutations + 1, n))
+    sides[0, :nl] = 1
+    sides[1:] = rng.random((permutations, n)).argsort(1) < nl  # each row: a random L of size nl
+    to = sides @ sub
+    ll = (to * sides).sum(1)
+    lr = (to * (1 - sides)).sum(1)
+    rr = sub.sum() - ll - 2 * lr
+    d2 = lr / (nl * nr) - ll / (2 * nl**2) - rr / (2 * nr**2)
+    null = d2[1:]
+    spread = float(null.std())
+    return float((d2[0] - null.mean()) / spread) if spread > 0 else 0.0
 
 
 def split_score(adj: np.ndarray, left: np.ndarray, right: np.ndarray, final: np.ndarray) -> float:

@@ -232,16 +232,17 @@ class Federation:
 
     def embed(
         self, rnd: int, clients: np.ndarray, tensors: dict[str, np.ndarray], meta: dict, purpose: str = "fcr"
-    ) -> Exchange[tuple[np.ndarray, np.ndarray]]:
+    ) -> Exchange[tuple[np.ndarray, np.ndarray, dict[str, np.ndarray] | None]]:
         """Send an encoder to each client (once per client, counted as 'encoder' bytes) and
-        collect its k x e centroids and their k shares of its samples; the exchange is
-        priced and reported as `purpose`."""
+        collect its k x e centroids, their k shares of its samples and the same summary of
+        each half of its data (None for a client with fewer than two samples); the
+        exchange is priced and reported as `purpose`."""
         msgs = {
             int(c): EMBED.message(rnd, int(c), tensors, {**meta, "seed": self._seed(rnd, 1)})
             for c in np.asarray(clients).tolist()
         }
         ex = self._exchange(purpose, rnd, msgs, [EMBED], timeout_s=self.timeout_s * 4)
-        return ex.decoded(lambda m: (m.tensors["centroids"].copy(), m.tensors["shares"].astype(np.float64)))
+        return ex.decoded(lambda m: (m.tensors["centroids"].copy(), m.tensors["shares"].astype(np.float64), _halves(m)))
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self, rnd: int) -> dict:
@@ -559,3 +560,11 @@ def _line(r: dict, rounds: int) -> str:
         f"up {up:8.2f} MB  down {down:8.2f} MB  train {r['timing']['train_s']:.2f} s  "
         f"({r['returned']}/{r['selected']} returned)"
     )
+
+
+def _halves(reply: Message) -> dict[str, np.ndarray] | None:
+    """A centroids reply's two half summaries (checked: server/replies.py), split apart."""
+    if "halves" not in reply.tensors:
+        return None
+    rows, shares, k = reply.tensors["halves"], reply.tensors["half_shares"].astype(np.float64), reply.meta["half_k"]
+    return {"a": rows[:k].copy(), "a_shares": shares[:k], "b": rows[k:].copy(), "b_shares": shares[k:]}

@@ -139,25 +139,47 @@ def centroids_check(sizes: ShardSizes | None, max_k: int = 64, labelled: bool = 
         n, expected_n = reply.meta.get("n"), sizes(client)[0] if sizes else None
         if not _is_int(n) or (expected_n is not None and n != expected_n):
             return "wrong sample count", f"n = {short(n, 24)}, its shard holds {expected_n}"
-        c = reply.tensors.get("centroids")
-        if c is None or c.ndim != 2 or not 1 <= c.shape[0] <= max_k or c.dtype.kind != "f" or len(reply.tensors) != 2:
-            return "bad centroids", f"expected one float k x e array, k in 1..{max_k}, and its shares"
-        if not np.isfinite(c).all():
-            return "non-finite centroids", "NaN or inf in the centroids"
-        w = reply.tensors.get("shares")
-        if w is None or w.shape != (c.shape[0],) or w.dtype.kind != "f" or not np.isfinite(w).all():
-            return "bad shares", f"expected {c.shape[0]} finite float shares, one per centroid"
-        if w.min() < 0 or abs(float(w.sum()) - 1) > 1e-3:
-            return "bad shares", f"shares must be >= 0 and sum to 1 (sum {float(w.sum()):.4g})"
-        if labelled:
-            cls = c[:, -1]
-            if c.shape[1] < 2 or (cls != np.round(cls)).any() or cls.min() < 0 or cls.max() >= max_k:
-                return "bad centroid classes", f"expected a last column of classes in [0, {max_k})"
-            if len(np.unique(cls)) != len(cls):
-                return "bad centroid classes", "a class appears twice"
-        return None
+        halves = "halves" in reply.tensors
+        if set(reply.tensors) != ({"centroids", "shares"} | ({"halves", "half_shares"} if halves else set())):
+            return "bad centroids", "expected centroids and shares, and optionally halves and half_shares"
+        c = reply.tensors["centroids"]
+        bad = _summary_fault(c, reply.tensors["shares"], max_k, labelled, "centroid")
+        if bad or not halves:
+            return bad
+        h, k = reply.tensors["halves"], reply.meta.get("half_k")
+        if h.ndim != 2 or h.shape[1:] != c.shape[1:] or not _is_int(k) or not 1 <= k < min(len(h), 2 * max_k + 1):
+            return "bad halves", f"expected two summaries of {c.shape[1:]} rows stacked, the first half_k of them"
+        w = reply.tensors["half_shares"]
+        if w.shape != (len(h),):
+            return "bad halves", f"expected {len(h)} half shares, one per row"
+        return _summary_fault(h[:k], w[:k], max_k, labelled, "half") or _summary_fault(
+            h[k:], w[k:], max_k, labelled, "half"
+        )
 
     return check
+
+
+_PLURAL = {"centroid": "centroids", "half": "halves"}
+
+
+def _summary_fault(c: np.ndarray, w: np.ndarray, max_k: int, labelled: bool, what: str) -> tuple[str, str] | None:
+    """One summary of a client's data: 1..max_k finite float rows (with `labelled`, a last
+    column of distinct classes in [0, max_k)) and a share per row, >= 0, summing to 1."""
+    if c.ndim != 2 or not 1 <= c.shape[0] <= max_k or c.dtype.kind != "f":
+        return f"bad {_PLURAL[what]}", f"expected one float k x e array, k in 1..{max_k}, and its shares"
+    if not np.isfinite(c).all():
+        return f"non-finite {_PLURAL[what]}", f"NaN or inf in the {_PLURAL[what]}"
+    if w.shape != (c.shape[0],) or w.dtype.kind != "f" or not np.isfinite(w).all():
+        return "bad shares", f"expected {c.shape[0]} finite float shares, one per {what}"
+    if w.min() < 0 or abs(float(w.sum()) - 1) > 1e-3:
+        return "bad shares", f"shares must be >= 0 and sum to 1 (sum {float(w.sum()):.4g})"
+    if labelled:
+        cls = c[:, -1]
+        if c.shape[1] < 2 or (cls != np.round(cls)).any() or cls.min() < 0 or cls.max() >= max_k:
+            return f"bad {what} classes", f"expected a last column of classes in [0, {max_k})"
+        if len(np.unique(cls)) != len(cls):
+            return f"bad {what} classes", "a class appears twice"
+    return None
 
 
 def state_check(model_size: int | None) -> Check:

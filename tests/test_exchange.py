@@ -100,11 +100,12 @@ def test_fcr_is_priced_on_the_clock_and_nothing_else_changes(tmp_path):
     assert not [e for e in fedavg["events"] if e["kind"] == "exchange"]  # rounds are the record itself
 
     # FCR priced by hand: every client downloads the ONNX encoder, embeds its shard (one
-    # forward pass a sample) and uploads k x e float32 centroids and their k shares; FCR ends at the slowest
+    # forward pass a sample) and uploads k x e float32 centroids and their k shares, for its
+    # shard and for each half of it (3k rows); FCR ends at the slowest
     parts = np.load(priced / "partition.npz")
     n = np.diff(parts["train_offsets"]).max()
     k, latent = 5, 128
-    cost = summary["fcr"]["encoder_bytes"] / (5e6 / 8) + 0.05 + n * 0.020 + k * (latent + 1) * 4 / (1e6 / 8) + 0.05
+    cost = summary["fcr"]["encoder_bytes"] / (5e6 / 8) + 0.05 + n * 0.020 + 3 * k * (latent + 1) * 4 / (1e6 / 8) + 0.05
     assert fcr["duration_s"] == pytest.approx(cost)
     assert summary["fcr_emulated_s"] == pytest.approx(cost) and summary["fcr"]["emulated_s"] == pytest.approx(cost)
     # the same clients train the same bytes in round 1: FLT's clock leads by FCR alone
@@ -136,6 +137,7 @@ class PricedEmbedder:
             int(c): (
                 (np.eye(8)[self.truth[c]] * 5 + 0.1 * rng.normal(size=(3, 8))).astype(np.float32),
                 np.full(3, 1 / 3),
+                None,  # no halves
             )
             for c in clients
         }

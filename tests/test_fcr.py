@@ -5,7 +5,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-from scipy.spatial.distance import cdist
+from scipy.cluster.hierarchy import linkage
+from scipy.spatial.distance import cdist, squareform
 from sklearn.metrics import adjusted_rand_score
 
 from flt.common.schema import ConfigError
@@ -282,3 +283,83 @@ def test_split_scores_are_about_one_for_noise_and_large_for_a_real_split():
     y[right, 1] += 4.0  # the same halves, now 4 sd apart along another direction
     adj = cdist(y, y, "sqeuclidean")
     assert fcr.split_score(adj, left, right, np.where(y[:, 0] < 0, 0, 1)) > 4 * noise
+
+
+# -- choose 'halves': clusters drawn on one half of every client's data, tested on the other --
+def small_clients(gap, seed, groups=3, per=200, k=3, dim=8, noise=1.0):
+    """Many clients with few samples each: every client's summaries (its whole data and
+    two halves, each half twice as noisy) scatter around its group's class centres, which
+    sit `gap` apart; the groups overlap in any one client's summary."""
+    rng = np.random.default_rng(seed)
+    base = rng.normal(size=(k, dim)) * 3
+    centres = [base + gap * rng.normal(size=(k, dim)) for _ in range(groups)]
+    truth = np.repeat(np.arange(groups), per)
+
+    def draw(scale):
+        return [centres[g] + scale * rng.normal(size=(k, dim)) for g in truth]
+
+    m = len(truth)
+    halves = fcr.whiten(draw(noise * 2**0.5) + draw(noise * 2**0.5))  # one whitening for both, as FLT
+    shares = [np.full(k, 1 / k)] * m
+    return fcr.whiten(draw(noise)), fcr.Halves(np.arange(m), halves[:m], halves[m:], shares, shares), truth
+
+
+def test_a_held_out_z_is_noise_for_one_group_and_large_for_two():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, 6))
+    adj = cdist(x, x, "sqeuclidean")
+    left, right = np.arange(60), np.arange(60, 120)  # any split not drawn on this data
+    assert abs(fcr.heldout_z(adj, left, right)) < 3
+    x[right, 0] += 1.5  # the two sides' means 1.5 noise sd apart
+    adj = cdist(x, x, "sqeuclidean")
+    assert fcr.heldout_z(adj, left, right) > 10
+    assert fcr.heldout_z(adj, left, right) == fcr.heldout_z(adj, left, right)  # seeded
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_held_out_halves_find_groups_of_many_small_clients(seed):
+    """900 clients whose summaries overlap across groups: the whole-data split score
+    cannot tell any split from noise (one cluster), the held-out halves confirm them."""
+    whole, halves, truth = small_clients(gap=0.8, seed=seed, per=300)
+    splits = fcr.relate(whole, dataclasses.replace(fcr.PRESETS["set"], choose="splits"))
+    got = fcr.relate(whole, fcr.PRESETS["set"], halves=halves)
+    assert splits.n_clusters == 1
+    assert got.n_clusters > 1 and got.chosen_by == "halves"
+    assert adjusted_rand_score(truth, got.labels) > 0.15
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_held_out_halves_leave_clients_without_groups_as_one(seed):
+    whole, halves, _ = small_clients(gap=0.0, seed=seed)
+    assert fcr.relate(whole, fcr.PRESETS["set"], halves=halves).n_clusters == 1
+
+
+def test_a_continuum_of_clients_is_not_split_by_held_out_data():
+    """Clients that each differ for real (a writer's hand), with little sampling noise:
+    any split of them is confirmed by held-out data, but they form no groups. The
+    held-out test stays out (the noise does not dominate) and the split score, which
+    judges splits against the clients' spread, finds one cluster."""
+    rng = np.random.default_rng(4)
+    base = rng.normal(size=(3, 8)) * 3
+    own = [base + rng.normal(size=(3, 8)) for _ in range(200)]  # each client's own distribution
+
+    def draw(scale):
+        return [c + scale * rng.normal(size=(3, 8)) for c in own]
+
+    halves = fcr.whiten(draw(0.3) + draw(0.3))
+    shares = [np.full(3, 1 / 3)] * 200
+    held = fcr.Halves(np.arange(200), halves[:200], halves[200:], shares, shares)
+    cross = fcr.set_distance(held.a + held.b, "energy", weights=shares + shares)[:200, 200:]
+    assert not fcr.noise_dominates(cross)
+    # the held-out test alone would split them: the first halves' top split holds on the second
+    da, db = fcr.set_distance(held.a, "energy"), fcr.set_distance(held.b, "energy")
+    top = fcr._members(linkage(squareform(np.sqrt(da), checks=False), "ward"), 200, 1)[398]
+    assert fcr.heldout_z(db, *top) >= fcr.PRESETS["set"].min_heldout
+    assert fcr.relate(fcr.whiten(draw(0.2)), fcr.PRESETS["set"], halves=held).n_clusters == 1
+
+
+def test_without_halves_the_default_is_the_split_rule():
+    sets, _ = nested()
+    points = fcr.whiten(sets)
+    splits = fcr.relate(points, dataclasses.replace(fcr.PRESETS["set"], choose="splits"))
+    assert fcr.relate(points, fcr.PRESETS["set"], halves=None).labels.tolist() == splits.labels.tolist()

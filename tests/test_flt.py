@@ -66,6 +66,13 @@ def test_flt_run_folder_holds_fcr_figures_and_arrays(quickstart_run):
         assert z["labels"].shape == (CLIENTS,)
         np.testing.assert_array_equal(np.diag(z["adjacency"]), 0.0)  # a client's points vs themselves
         np.testing.assert_allclose(z["adjacency"], z["adjacency"].T)
+        # every client also summarised two disjoint halves of its data, each summing to 1
+        assert sorted(set(z["half_owner"].tolist())) == list(range(CLIENTS))
+        for c in range(CLIENTS):
+            for side in (0, 1):
+                pick = (z["half_owner"] == c) & (z["half_side"] == side)
+                assert pick.any() and abs(z["half_shares"][pick].sum() - 1) < 1e-5
+        assert z["halves"].shape[1] == z["centroids"].shape[1]
 
 
 @pytest.mark.slow
@@ -79,7 +86,8 @@ def test_onnx_encoder_bytes_are_counted_once_per_client(quickstart_run):
     assert pay["up"]["encoder"] == 0
     assert f["latent"] == 128
     assert pay["up"]["embedding"] == f["centroids_sent"] * (128 + 1) * 4  # each centroid and its share
-    assert f["centroids_sent"] >= CLIENTS  # at least one centroid per client (k: auto)
+    assert f["centroids_sent"] >= 3 * CLIENTS  # at least one centroid per client and half (k: auto)
+    assert f["chosen_by"] in ("splits", "halves")
     # M*W_enc + k*M*e + 2*rho*M*W_local*T, with rho*M*T the selections made
     assert m["selections"] == 0.5 * CLIENTS * 3
     expected = (
@@ -201,7 +209,11 @@ class Embedder:
         self.calls.append((rnd, clients))
         rng = np.random.default_rng(rnd)
         got = {
-            c: ((np.eye(8)[self.truth[c]] * 5 + 0.1 * rng.normal(size=(3, 8))).astype(np.float32), np.full(3, 1 / 3))
+            c: (
+                (np.eye(8)[self.truth[c]] * 5 + 0.1 * rng.normal(size=(3, 8))).astype(np.float32),
+                np.full(3, 1 / 3),
+                None,
+            )
             for c in clients
             if c not in self.silent
         }

@@ -286,3 +286,25 @@ def test_subspace_sends_each_class_top_singular_vectors_and_is_checked(served_de
         assert float((top @ torch.from_numpy(basis[0]).double()).abs()) == pytest.approx(1.0, abs=1e-5)
     fed.shard_sizes = lambda c: (13, 4)  # a count the partition does not agree with: refused
     assert fed.run(SUBSPACE, 0, {4: Call({}, {"basis": 2, "dim": 784})}).results == {}
+
+
+def test_a_client_summarises_all_its_data_and_each_of_two_disjoint_halves():
+    from flt.devices.embedding import split_halves
+
+    rng = np.random.default_rng(0)
+    emb = np.concatenate([rng.normal(size=(20, 4)), rng.normal(size=(21, 4)) + 10]).astype(np.float32)
+    y = np.repeat([0, 1], [20, 21])
+    a, b = split_halves(len(emb), seed=7)
+    assert len(np.intersect1d(a, b)) == 0 and sorted(np.concatenate([a, b]).tolist()) == list(range(41))
+    assert split_halves(41, seed=7)[0].tolist() == a.tolist()  # seeded
+    tensors, half_k = ops._summaries(emb, y, 2, seed=7)
+    assert set(tensors) == {"centroids", "shares", "halves", "half_shares"} and half_k == 2
+    halves, shares = tensors["halves"], tensors["half_shares"]
+    assert abs(shares[:half_k].sum() - 1) < 1e-6 and abs(shares[half_k:].sum() - 1) < 1e-6
+    # each half's centroids are its own samples' k-means: two class means of that half
+    means_a = sorted(emb[a][y[a] == c].mean(0)[0] for c in (0, 1))
+    assert np.allclose(sorted(halves[:half_k, 0]), means_a, atol=1e-4)
+    labelled, k = ops._summaries(emb, y, "labels", seed=7)
+    assert k == 2 and labelled["halves"][:k, -1].tolist() == [0.0, 1.0]
+    alone, none = ops._summaries(emb[:1], y[:1], 2, seed=7)  # one sample cannot be halved
+    assert none == 0 and set(alone) == {"centroids", "shares"}

@@ -120,3 +120,36 @@ def test_centroid_shares_are_checked(shares, problem):
     tensors = {"centroids": np.ones((5, 8), np.float32)} | ({} if shares is None else {"shares": shares})
     got = centroids_check(SIZES, max_k=10)(3, Message("centroids", 1, 3, tensors=tensors, meta={"n": 50}))
     assert (got and got[0]) == problem
+
+
+def halves_reply(halves, half_shares, half_k, extra=None):
+    tensors = {"centroids": np.ones((5, 8), np.float32), "shares": np.full(5, 0.2, np.float32)}
+    tensors |= {"halves": halves, "half_shares": half_shares} | (extra or {})
+    return Message("centroids", 1, 3, tensors=tensors, meta={"n": 50, "half_k": half_k})
+
+
+@pytest.mark.parametrize(
+    "halves, half_shares, half_k, problem",
+    [
+        (np.ones((8, 8), np.float32), np.full(8, 0.25, np.float32), 4, None),
+        (np.ones((7, 8), np.float32), np.array([0.5, 0.5, 0.25, 0.25, 0.25, 0.25, 0.0], np.float32), 2, None),
+        (np.ones((8, 9), np.float32), np.full(8, 0.25, np.float32), 4, "bad halves"),  # other columns
+        (np.ones((8, 8), np.float32), np.full(8, 0.25, np.float32), 8, "bad halves"),  # no second half
+        (np.ones((8, 8), np.float32), np.full(8, 0.25, np.float32), "4", "bad halves"),
+        (np.ones((8, 8), np.float32), np.full(8, 0.25, np.float32), 3, "bad shares"),  # halves sum 0.75 / 1.25
+        (np.ones((8, 8), np.float32), np.full(7, 0.25, np.float32), 4, "bad halves"),
+        (np.full((8, 8), np.inf, np.float32), np.full(8, 0.25, np.float32), 4, "non-finite halves"),
+        (np.ones((30, 8), np.float32), np.full(30, 1 / 15, np.float32), 15, "bad halves"),  # k above max_k
+    ],
+)
+def test_half_summaries_are_checked(halves, half_shares, half_k, problem):
+    got = centroids_check(SIZES, max_k=10)(3, halves_reply(halves, half_shares, half_k))
+    assert (got and got[0]) == problem
+
+
+def test_a_reply_with_halves_missing_a_part_is_refused():
+    reply = halves_reply(np.ones((8, 8), np.float32), np.full(8, 0.25, np.float32), 4)
+    del reply.tensors["half_shares"]
+    assert centroids_check(SIZES, max_k=10)(3, reply)[0] == "bad centroids"
+    extra = halves_reply(np.ones((8, 8), np.float32), np.full(8, 0.25, np.float32), 4, {"x": np.ones(2)})
+    assert centroids_check(SIZES, max_k=10)(3, extra)[0] == "bad centroids"

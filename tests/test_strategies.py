@@ -493,7 +493,7 @@ class FakeFederation:
                 (centre + 0.1 * torch.randn(meta["k"], e, generator=g)).numpy(),
                 np.full(meta["k"], 0.2, np.float32),
             )
-            out[int(c)] = (cents, shares)
+            out[int(c)] = (cents, shares, None)  # no halves: FCR's split rule alone
             self._count("up", "embedding", cents.nbytes + shares.nbytes)
         return Exchange(out, sorted(out), {"bytes": {}})
 

@@ -96,7 +96,7 @@ class FederationView(Protocol):
 
     def embed(
         self, rnd: int, clients: np.ndarray, tensors: dict[str, np.ndarray], meta: dict, purpose: str = "fcr"
-    ) -> Exchange[tuple[np.ndarray, np.ndarray]]: ...  # each client's centroids and their shares
+    ) -> Exchange[tuple[np.ndarray, np.ndarray, dict[str, np.ndarray] | None]]: ...  # centroids, shares, halves
 
     def run(
         self,

@@ -85,6 +85,9 @@ class FLT(Reclustering):
         self.centroids: dict[int, np.ndarray] = {}
         self.centroid_classes: dict[int, np.ndarray] = {}  # k: labels, the class of each centroid
         self.centroid_shares: dict[int, np.ndarray] = {}  # each centroid's share of its client's samples
+        # each client's summaries of two halves of its data ("a", "a_shares", "b", "b_shares"):
+        # what choose 'halves' draws the clusters on and tests them with (server/fcr.py)
+        self.halves: dict[int, dict[str, np.ndarray]] = {}
         self.flag_round: dict[int, int] = {}  # outstanding data-change flags: client -> round first seen
         self.monitored: set[int] = set()  # of those, flagged by the server-side monitor
         self.payload_bytes, self.centroids_sent, self.encoders_sent = 0, 0, 0
@@ -118,12 +121,18 @@ class FLT(Reclustering):
         ex = fed.embed(rnd, np.asarray(clients), self.payload, self.payload_meta, purpose)
         got = {c: v[0] for c, v in ex.results.items()}
         self.centroid_shares.update({c: v[1] for c, v in ex.results.items()})
+        for c, v in ex.results.items():  # a re-embedding replaces a client's halves, or drops them
+            if v[2] is None:
+                self.halves.pop(c, None)
+            else:
+                self.halves[c] = v[2]
         if self.params["k"] == "labels":  # rows are [mean embedding, class]
             self.centroid_classes.update({c: v[:, -1].astype(np.int64) for c, v in got.items()})
             got = {c: np.ascontiguousarray(v[:, :-1]) for c, v in got.items()}
         self.encoders_sent += len(clients)
         self.centroids.update(got)
         self.centroids_sent += sum(len(c) for c in got.values())
+        self.centroids_sent += sum(len(v[2]["a"]) + len(v[2]["b"]) for v in ex.results.values() if v[2] is not None)
         for c in got:
             self.flag_round.pop(c, None)
             self.monitored.discard(c)
@@ -175,6 +184,7 @@ class FLT(Reclustering):
             self.ctx.device,
             classes=classes,
             weights=shares,
+            halves=self._halves_of(clients) if how.choose == "halves" else None,
         )
         labels = np.full(self.ctx.n_clients, -1, dtype=np.int64)
         graph = np.eye(self.ctx.n_clients, dtype=np.float32)
@@ -202,6 +212,7 @@ class FLT(Reclustering):
             "gamma": how.gamma,
             "silhouette": fcr.silhouette_or_zero(found.distance, chosen) if placed else found.silhouette,
             "separation": found.separation,
+            "chosen_by": found.chosen_by,
             "pipeline": asdict(how),
             "cluster_sizes": np.unique(chosen, return_counts=True)[1].tolist(),
             **placed,
@@ -231,10 +242,42 @@ class FLT(Reclustering):
         }
         if classes is not None:  # k: labels, each centroid's class
             arrays["classes"] = np.concatenate(classes)
+        arrays |= self._half_arrays(clients)
         # figures for a clustering that changed something (a re-placement that kept every
         # label gets its arrays only: drawing costs about a second per clustering)
         self.emit(Artifact(f"fcr{tag}", arrays, plot="fcr" if not tag or (old[clients] != chosen).any() else None))
         return report
+
+    def _half_arrays(self, clients: np.ndarray) -> dict[str, np.ndarray]:
+        """The halves as sent, for fcr.npz: rows, shares, owner and side (0: drew the
+        held-out dendrogram, 1: tested it)."""
+        parts = [(c, side) for c in clients.tolist() if c in self.halves for side in (0, 1)]
+        if not parts:
+            return {}
+        rows = [self.halves[c]["ab"[side]] for c, side in parts]
+        counts = [len(r) for r in rows]
+        return {
+            "halves": np.concatenate(rows),
+            "half_shares": np.concatenate([self.halves[c]["ab"[side] + "_shares"] for c, side in parts]),
+            "half_owner": np.repeat([c for c, _ in parts], counts),
+            "half_side": np.repeat([side for _, side in parts], counts).astype(np.int8),
+        }
+
+    def _halves_of(self, clients: np.ndarray) -> fcr.Halves:
+        """The half summaries of those of `clients` that sent them, projected together (the
+        held-out test compares a client's two halves), as the whole summaries are."""
+        have = np.array([i for i, c in enumerate(clients.tolist()) if c in self.halves], dtype=np.int64)
+        sent = [self.halves[int(clients[i])] for i in have]
+        rows = [h[side] for side in "ab" for h in sent]
+        shares = [h[side + "_shares"] for side in "ab" for h in sent]
+        classes = None
+        if self.params["k"] == "labels":  # rows are [mean embedding, class]
+            classes = [r[:, -1].astype(np.int64) for r in rows]
+            rows = [np.ascontiguousarray(r[:, :-1]) for r in rows]
+        points = self.project(rows, shares) if rows else rows
+        n = len(have)
+        a_c, b_c = (None, None) if classes is None else (classes[:n], classes[n:])
+        return fcr.Halves(have, points[:n], points[n:], shares[:n], shares[n:], a_c, b_c)
 
     def _carry_models(self, labels: np.ndarray, graph: np.ndarray, n_clusters: int) -> None:
         """A new cluster starts from the sample-weighted mean of its members' old cluster
@@ -349,7 +392,8 @@ class FLT(Reclustering):
         # M*W_enc counts one encoder per client; re-clustering sends it again to re-embedders
         latent = self.fcr_reports[0]["latent"] if self.fcr_reports else 0
         return {
-            "formula": "M*W_enc + k*M*(e+1) + 2*rho*M*W_local*T",  # + 1: each centroid's share
+            # 3k: k centroids of the client's data and k of each of its halves; + 1: each one's share
+            "formula": "M*W_enc + 3k*M*(e+1) + 2*rho*M*W_local*T",
             "bytes": self.encoders_sent * self.payload_bytes
             + self.centroids_sent * (latent + (self.params["k"] == "labels") + 1) * 4  # class column, share
             + 2 * selections * model_bytes,
