@@ -31,7 +31,8 @@ how far apart the clusters' clients are, in units of the typical distance betwee
 of the encoder's modes (mostly different classes).
 
 Clients may send different numbers of centroids (k: auto); padding is masked, never
-counted. Everything is vectorized (torch.cdist in row chunks): 2,400 clients take seconds.
+counted. Everything is vectorized (torch.cdist in row chunks): 2,400 clients of 5 centroids
+in 128 dimensions took 46 s on a loaded 2-core machine, 145 s with the held-out test.
 """
 
 from __future__ import annotations
@@ -265,7 +266,7 @@ def relate(
     # they were, so label-conditioned centroids are compared by Chamfer
     kind = "chamfer" if classes is not None and how.distance == "energy" else how.distance
     adj = set_distance(points, kind, device=device, classes=classes, weights=weights)
-    squared = adj if kind == "energy" else adj**2
+    squared = _squared(adj, kind)
     if kind == "energy":  # a squared distance: linkage, silhouette and A~ use its root
         adj = np.sqrt(adj)
     graph = hard_threshold(adj, how.gamma) if how.gamma is not None else None
@@ -441,7 +442,8 @@ def noise_dominates(cross: np.ndarray) -> bool:
 
 
 def _squared(dist: np.ndarray, kind: str) -> np.ndarray:
-    """energy already is a squared distance; the others are squared here."""
+    """energy already is a squared distance (in a Hilbert space, where the held-out
+    statistics are exact); the others are squared here."""
     return dist if kind == "energy" else dist**2
 
 
