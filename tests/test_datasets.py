@@ -103,9 +103,7 @@ def test_mnist_layouts(tmp_path, layout):
 @pytest.mark.parametrize("name,folder", [("mnist", "mnist"), ("fashion_mnist", "fashion-mnist")])
 def test_real_mnist_like(name, folder):
     root = need(SHARED / folder)
-    t = time.perf_counter()
     tr, te = load_dataset(name, root, train=True), load_dataset(name, root, train=False)
-    assert time.perf_counter() - t < 5
     assert tr.x.shape == (60000, 1, 28, 28) and te.x.shape == (10000, 1, 28, 28)
     assert tr.x.dtype == np.uint8 and tr.y.dtype == np.int64
     assert tr.y.min() == 0 and tr.y.max() == 9 and te.y.min() == 0 and te.y.max() == 9
