@@ -250,9 +250,8 @@ def embed(device: Device, batch: list[Message]) -> list[Message]:
         embs = embedding.embed_finetuned(t["weights"], meta, xs, generators(batch))
     out = []
     for m, e in zip(batch, embs, strict=True):
-        y = device.shards[m.client].y.cpu().numpy()
-        seed = client_seed(meta["seed"], m.client)
-        tensors, half_k = _summaries(e, y, meta["k"], seed)
+        y = device.shards[m.client].y.cpu().numpy() if meta["k"] == "labels" else None
+        tensors, half_k = _summaries(e, y, meta["k"], client_seed(meta["seed"], m.client))
         device.flags.discard(m.client)
         # the image test sees neither a fine-tuned encoder it does not keep nor a label
         # change (k: labels): then any change of the store raises the flag
@@ -270,14 +269,15 @@ def embed(device: Device, batch: list[Message]) -> list[Message]:
     return out
 
 
-def _summaries(e: np.ndarray, y: np.ndarray, k, seed: int) -> tuple[dict[str, np.ndarray], int]:
+def _summaries(e: np.ndarray, y: np.ndarray | None, k, seed: int) -> tuple[dict[str, np.ndarray], int]:
     """The client's summary of all its data (k centroids and their shares, or its class
     means) and the same summary of each of two disjoint halves of it, stacked ("halves",
     "half_shares"; the first half_k rows are the first half's). A client with fewer than
     two samples has no halves (half_k 0)."""
 
     def summary(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        if k == "labels":
+        if k == "labels":  # y: the client's labels, read only then
+            assert y is not None
             return embedding.label_means(e[idx], y[idx])
         return embedding.centroids(e[idx], k, seed=seed)
 

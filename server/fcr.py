@@ -37,6 +37,7 @@ in 128 dimensions took 46 s on a loaded 2-core machine, 145 s with the held-out 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -373,14 +374,30 @@ def split_clusters(z: np.ndarray, adj: np.ndarray, max_clusters: int, min_split:
     nested groups (two vehicle classes apart from three animal ones) do not hide a finer
     cut, because each merge is judged against the spread inside the final clusters, not
     inside the merged halves."""
-    m = len(adj)
+
+    def real(_node: int, left: np.ndarray, right: np.ndarray, final: np.ndarray) -> bool:
+        return split_score(adj, left, right, final) >= min_split
+
+    return finest_cut(z, len(adj), max_clusters, real, min_size)
+
+
+def finest_cut(
+    z: np.ndarray,
+    m: int,
+    max_clusters: int,
+    passes: Callable[[int, np.ndarray, np.ndarray, np.ndarray], bool],
+    min_size: int = 2,
+) -> int:
+    """The largest C in 2..max_clusters (1 when there is none) whose clusters all have
+    `min_size` clients and whose C - 1 merges above them all `passes(node, left, right,
+    final)` (node: the merge's id in the linkage, m + its row)."""
     members = _members(z, m, max_clusters)
     for c in range(min(max_clusters, m - 1), 1, -1):
         final = fcluster(z, c, criterion="maxclust") - 1
         if np.bincount(final).min() < min_size:
             continue
-        merges = [members[m + i] for i in range(m - 2, m - 1 - c, -1)][::-1]  # smallest first: fail fast
-        if all(split_score(adj, left, right, final) >= min_split for left, right in merges):
+        nodes = range(2 * m - c, 2 * m - 1)  # the C - 1 highest merges, smallest first: fail fast
+        if all(passes(node, *members[node], final) for node in nodes):
             return c
     return 1
 
@@ -410,21 +427,15 @@ def heldout_clusters(
     if not noise_dominates(cross):
         return 1
     z = linkage(squareform(np.sqrt(da), checks=False), method="ward" if how.linkage == "ward_graph" else how.linkage)
-    members = _members(z, n, max_clusters)
-    scores: dict[int, float] = {}  # merge node -> z, each node tested once across the cuts
-    for c in range(min(max_clusters, n - 1), 1, -1):
-        final = fcluster(z, c, criterion="maxclust") - 1
-        if np.bincount(final).min() < 2:
-            continue
-        nodes = range(n + n - 2, n + n - 1 - c, -1)
-        for node in sorted(nodes):  # smallest merges first: they fail first
-            if node not in scores:
-                scores[node] = heldout_z(db, *members[node])
-            if scores[node] < how.min_heldout:
-                break
-        else:
-            return c
-    return 1
+
+    scores: dict[int, float] = {}  # merge node -> z: a merge recurs in every coarser cut
+
+    def confirmed(node: int, left: np.ndarray, right: np.ndarray, _final: np.ndarray) -> bool:
+        if node not in scores:
+            scores[node] = heldout_z(db, left, right)
+        return scores[node] >= how.min_heldout
+
+    return finest_cut(z, n, max_clusters, confirmed)
 
 
 def noise_dominates(cross: np.ndarray) -> bool:

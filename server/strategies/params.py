@@ -151,10 +151,10 @@ RELATEDNESS = {
     "choose_clusters": Field(
         str,
         None,
-        "override how clusters: auto picks C: halves (the finest cut, drawn on one half of "
-        "every client's data, whose every split separates the other halves), splits (the "
-        "finest cut whose every split is real on the whole data), silhouette of A or the "
-        "largest dendrogram gap",
+        "override how clusters: auto picks C: halves (splits, or where sampling noise hides "
+        "the clients' differences a finer cut drawn on one half of every client's data whose "
+        "every split separates the other halves), splits (the finest cut whose every split "
+        "is real on the whole data), silhouette of A or the largest dendrogram gap",
         nullable=True,
         choices=CHOOSERS,
     ),
