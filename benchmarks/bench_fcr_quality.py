@@ -481,18 +481,26 @@ def _row_line(row) -> str:
     return f"   knn {knn}  probe {probe}  best: {best} ARI {v[best].get('ari', float('nan')):.3f}"
 
 
+def _attainable(row) -> bool:
+    return max(v.get("ari", 0.0) for v in row["variants"].values()) >= 0.9
+
+
 def worst_case(rows) -> dict:
     """Per variant: the lowest ARI over the cases whose embedding separates the clusters
-    (knn >= 0.9), the mean, and how many cases it found the planted C in."""
+    (knn >= 0.9), the mean, the lowest over the attainable cases (planted clusters that
+    some variant recovers at ARI >= 0.9: a variant that drops a case the knn filter leaves
+    out shows there), and how many cases it found the planted C in."""
     out = {}
     for name in variants():
         sep = [r["variants"][name] for r in rows if r["knn"] is not None and r["knn"] >= 0.9]
         planted = [r["variants"][name] for r in rows if r["probe"] is not None]
+        attainable = [r["variants"][name] for r in rows if r["probe"] is not None and _attainable(r)]
         if not planted:
             continue
         out[name] = {
             "worst_ari_separable": min((v["ari"] for v in sep), default=None),
             "mean_ari_separable": float(np.mean([v["ari"] for v in sep])) if sep else None,
+            "worst_ari_attainable": min(v["ari"] for v in attainable),
             "right_c": sum(v["clusters"] == v["planted"] for v in planted),
             "cases": len(planted),
             "iid_clusters": [r["variants"][name]["clusters"] for r in rows if "iid" in r["case"]],
@@ -523,12 +531,16 @@ def table(rows) -> str:
         lines.append(f"{r['case']:<28}{r['seed']:>5}{knn:>6}{probe:>7}" + "".join(f"{c:>12}" for c in cells))
     lines += [
         "",
-        f"{'worst case over separable cases (knn >= 0.9)':<40}{'worst ARI':>10}{'mean ARI':>10}{'right C':>9}",
+        f"{'worst case over separable cases (knn >= 0.9)':<40}{'worst ARI':>10}{'mean ARI':>10}"
+        f"{'worst, attainable':>19}{'right C':>9}",
     ]
     for n, w in worst_case(rows).items():
         wa = "-" if w["worst_ari_separable"] is None else f"{w['worst_ari_separable']:.3f}"
         ma = "-" if w["mean_ari_separable"] is None else f"{w['mean_ari_separable']:.3f}"
-        lines.append(f"  {short[n]:<38}{wa:>10}{ma:>10}{w['right_c']:>5}/{w['cases']}  iid C: {w['iid_clusters']}")
+        lines.append(
+            f"  {short[n]:<38}{wa:>10}{ma:>10}{w['worst_ari_attainable']:>19.3f}"
+            f"{w['right_c']:>5}/{w['cases']}  iid C: {w['iid_clusters']}"
+        )
     return "\n".join(lines)
 
 
