@@ -230,7 +230,7 @@ def test_a_device_started_by_hand_joins_over_tcp(tmp_path):
 
 
 def test_every_method_runs_over_real_processes_and_matches_its_byte_formula(tmp_path):
-    names = ["fedavg", "fedprox", "local", "pca_km_hc", "ifca", "fedsem", "cfl", "fedgroup", "pacfl", "flt"]
+    names = ["fedavg", "fedprox", "local", "pca_km_hc", "ifca", "fedsem", "cfl", "fedgroup", "pacfl", "oracle", "flt"]
     res = flt(
         "compare", str(QUICKSTART), "--methods", ",".join(names), "--set", "train.rounds=3", "--out", str(tmp_path)
     )

@@ -24,6 +24,7 @@ from flt.server.strategies.fedprox import FedProx
 from flt.server.strategies.fedsem import FedSEM
 from flt.server.strategies.ifca import IFCA
 from flt.server.strategies.local import Local
+from flt.server.strategies.oracle import Oracle
 from flt.server.strategies.pacfl import PACFL, cross_angles, hierarchical, smallest_angles
 from flt.server.strategies.params import METHODS
 from flt.server.strategies.pca_km_hc import PCAKMHC
@@ -48,6 +49,28 @@ def make_ctx(tmp_path, m=8, truth=None, n_train=None, seed=0) -> Context:
 
 def result(model, n=1, **meta) -> Result:
     return Result(None if model is None else torch.as_tensor(model, dtype=torch.float32), n, {"n": n, **meta})
+
+
+# -- Oracle ------------------------------------------------------------------------------
+def test_oracle_averages_inside_each_planted_cluster(tmp_path):
+    truth = np.array([2, 2, 7, 7, -1, 7])  # ids need not be 0..C-1; -1 is a group of its own
+    ctx = make_ctx(tmp_path, m=6, truth=truth)
+    oracle = Oracle(ctx)
+    start = oracle.models.clone()
+    tasks = oracle.train_tasks(1, np.array([0, 2, 4]))
+    assert all(torch.equal(t.models[0], ctx.init) for t in tasks.values())
+    back = {0: result(torch.full((P,), 1.0), n=1), 1: result(torch.full((P,), 3.0), n=3)}
+    back |= {2: result(torch.full((P,), -2.0), n=2), 5: result(torch.full((P,), 4.0), n=2)}
+    oracle.aggregate(1, back)
+    got = oracle.eval_models(np.arange(6))
+    rows = got[1]
+    assert rows[0] == rows[1] and rows[2] == rows[3] == rows[5] and len(set(rows.tolist())) == 3
+    assert torch.allclose(got[0][rows[0]], torch.full((P,), 2.5))  # (1 * 1 + 3 * 3) / 4
+    assert torch.allclose(got[0][rows[2]], torch.full((P,), 1.0))  # (-2 * 2 + 4 * 2) / 4
+    assert torch.equal(got[0][rows[4]], start[rows[4]])  # nobody of the -1 group came back
+    ctx.truth[[0, 2]] = ctx.truth[[2, 0]]  # a swap of two clients' data swaps their truth
+    assert oracle.rows(np.array([0, 2])).tolist() == [rows[2], rows[0]]
+    assert oracle.summary()["ari"] == pytest.approx(1.0)
 
 
 # -- FedProx / Local -------------------------------------------------------------------
@@ -507,6 +530,7 @@ LOOP = {
     "fedgroup": (FedGroup, {"groups": 2, "pretrain_scale": 5}),  # 10 of 20 pre-train, the rest cold-start
     "pacfl": (PACFL, {}),  # the authors' threshold (4.9 degrees) separates the two planted subspaces
     "pca_km_hc": (PCAKMHC, {"components": 8, "clusters": 2}),
+    "oracle": (Oracle, {}),
 }
 
 
@@ -536,7 +560,7 @@ def test_round_loop_and_byte_formula(tmp_path, name):
     assert expected["bytes"] == measured, (expected, b)  # pca_km_hc: FLT's M*W_enc + k*M*e + 2*rho*M*W*T
     summary = strategy.summary()
     json.dumps(summary), json.dumps(expected)  # summary.json must be able to hold them
-    if name in ("ifca", "fedsem", "cfl", "fedgroup", "pacfl"):
+    if name in ("ifca", "fedsem", "cfl", "fedgroup", "pacfl", "oracle"):
         assert summary["ari"] == pytest.approx(1.0), summary
     if name == "fedgroup":
         assert summary["pretrained_clients"] == 10 and sum(c["clients"] for c in summary["cold_starts"]) > 0

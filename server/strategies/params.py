@@ -488,4 +488,5 @@ METHODS = {
     "cfl": Method("flt.server.strategies.cfl", "CFL", CFL),
     "fedgroup": Method("flt.server.strategies.fedgroup", "FedGroup", FEDGROUP),
     "pacfl": Method("flt.server.strategies.pacfl", "PACFL", PACFL),
+    "oracle": Method("flt.server.strategies.oracle", "Oracle", {}),  # told the planted clusters: a reference
 }
