@@ -43,6 +43,8 @@ def predictions(method_dir: Path) -> tuple[np.ndarray, np.ndarray, dict, Partiti
         raise SystemExit(f"{ckpt}: the checkpoint holds no single global model (FedAvg or FedProx only)")
     run = method_dir.parent
     cfg = yaml.safe_load((run / "config.yaml").read_text())
+    if cfg["partition"]["kind"] != "clusters":
+        raise SystemExit(f"{run}: partition kind {cfg['partition']['kind']!r}; the protocol needs planted 'clusters'")
     test = load_dataset(cfg["data"]["dataset"], cfg["data"]["root"], train=False)
     model = build_model(cfg["model"], test.x.shape[1:], test.num_classes, cfg["train"]["inputs"])
     load_flat(model, state["global_model"].float())
