@@ -1,16 +1,23 @@
-"""A finished run's global model under two test protocols, to measure what the protocol
-alone does to a reported accuracy.
+"""A finished run's models under two test protocols, to measure what the protocol alone
+does to a reported accuracy.
 
-- **ours** (what `flt run` reports): the mean over clients of the accuracy on each
-  client's own test shard, drawn in the proportions of its training classes.
-- **the FLT authors' code** (their `base_fed_learning` evaluation): one client per planted
-  cluster, each tested on every test image of its cluster's classes, averaged over the
-  clusters. With S2's rings a shared class is in two clusters, so it weighs 2 / 15 and an
-  unshared one 1 / 15 (CIFAR-10's test set has 1,000 images of each class).
+- **ours** (what `flt run` reports): the mean over clients of the accuracy of the model
+  each client is evaluated with on the client's own test shard, drawn in the proportions
+  of its training classes.
+- **the FLT authors' code** (`cluster_testdata_dict` and `evaluate_performance` in their
+  `src/optim/flt.py`): every client tested on every test image of its planted cluster's
+  classes, so each class of the cluster weighs the same. Their FedAvg tests one client
+  per cluster, their FLT every client; with their equal-sized clusters both are the mean
+  over clusters of the mean over its clients, which is what is computed here. With S2's
+  rings and one global model a shared class weighs 2 / 15 and an unshared one 1 / 15
+  (CIFAR-10's test set has 1,000 images of each class).
 
-Both use the same weights (the strategy's `global_model` in the run's last checkpoint:
-FedAvg, FedProx), so the difference is the protocol. The run's own final accuracy is
-printed beside the recomputed "ours" as a check that the model was loaded right.
+The models are those the run evaluated, from its last checkpoint: the strategy is rebuilt
+from the saved config, its state loaded, and its own `eval_models` says which model each
+client is tested with (FedAvg's global model; FLT's, the oracle's, FedSEM's, IFCA's
+cluster models ...). Methods whose models stay on the devices (Local) cannot be re-tested.
+The run's own final accuracy is printed beside the recomputed "ours" as a check that the
+models were loaded right.
 
     python benchmarks/eval_cluster_classes.py RUN_DIR/METHOD_LABEL
 """
@@ -25,62 +32,105 @@ import numpy as np
 import torch
 import yaml
 
-from flt.models.flat import load_flat
+from flt.models.flat import flatten, load_flat
 from flt.models.nets import build_model
 from flt.scenarios.datasets import load_dataset
 from flt.scenarios.partition import Partition, cluster_classes
 from flt.server import checkpoint
+from flt.server.strategies import STRATEGIES
+from flt.server.strategies.base import Context
 
 
-def predictions(method_dir: Path) -> tuple[np.ndarray, np.ndarray, dict, Partition]:
-    """The global model's predicted class for every test image, the labels, the config
-    and the partition of the run."""
-    ckpt = method_dir / "checkpoint.npz"
-    if not ckpt.is_file():
-        raise SystemExit(f"{ckpt}: no checkpoint (give a method's folder inside a finished run)")
-    state = checkpoint.load(ckpt)["strategy"]
-    if "global_model" not in state:
-        raise SystemExit(f"{ckpt}: the checkpoint holds no single global model (FedAvg or FedProx only)")
+def client_models(
+    method_dir: Path, cfg: dict, part: Partition, model: torch.nn.Module
+) -> tuple[torch.Tensor, np.ndarray]:
+    """([R, P] models, the row each client is evaluated with), from the method's strategy
+    rebuilt with the run's config and restored from its last checkpoint."""
+    specs = [m for m in cfg["methods"] if m["label"] == method_dir.name]
+    if not specs:
+        raise SystemExit(f"{method_dir}: no method labelled {method_dir.name!r} in the run's config.yaml")
+    name, params = specs[0]["name"], {k: v for k, v in specs[0].items() if k not in ("name", "label")}
+    ctx = Context(
+        init=flatten(model),
+        n_clients=part.n_clients,
+        n_train=np.array([len(t) for t in part.train]),
+        device=torch.device("cpu"),
+        seed=cfg["seed"],
+        truth=part.cluster.copy(),
+        train=cfg["train"],
+    )
+    strategy = STRATEGIES[name](ctx, **params)
+    strategy.load_state_dict(checkpoint.load(method_dir / "checkpoint.npz")["strategy"])
+    models, rows = strategy.eval_models(np.arange(part.n_clients))
+    if models is None:
+        raise SystemExit(f"{method_dir}: {name} keeps its models on the devices; the checkpoint cannot re-test them")
+    return models.float(), np.asarray(rows, dtype=np.int64)
+
+
+def hits(model: torch.nn.Module, models: torch.Tensor, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """[R, N] whether model row r classifies test image n right."""
+    out = np.zeros((len(models), len(y)), dtype=bool)
+    batches = np.array_split(np.arange(len(y)), max(1, len(y) // 256))
+    with torch.no_grad():
+        for r, weights in enumerate(models):
+            load_flat(model, weights)
+            model.eval()
+            pred = torch.cat([model(torch.from_numpy(x[b]).float() / 255).argmax(1) for b in batches])
+            out[r] = pred.numpy() == y
+    return out
+
+
+def evaluate(method_dir: Path) -> dict:
+    """Both protocols' accuracy (%) of the run's final models, per planted cluster and class."""
     run = method_dir.parent
+    for need in (method_dir / "checkpoint.npz", run / "config.yaml"):
+        if not need.is_file():
+            raise SystemExit(f"{need}: missing (give a method's folder inside a finished run)")
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     if cfg["partition"]["kind"] != "clusters":
         raise SystemExit(f"{run}: partition kind {cfg['partition']['kind']!r}; the protocol needs planted 'clusters'")
     test = load_dataset(cfg["data"]["dataset"], cfg["data"]["root"], train=False)
+    part = Partition.load(run / "partition.npz")
     model = build_model(cfg["model"], test.x.shape[1:], test.num_classes, cfg["train"]["inputs"])
-    load_flat(model, state["global_model"].float())
-    model.eval()
-    with torch.no_grad():
-        batches = np.array_split(test.x, max(1, len(test.x) // 256))
-        pred = torch.cat([model(torch.from_numpy(b).float() / 255).argmax(1) for b in batches])
-    return pred.numpy(), test.y, cfg, Partition.load(run / "partition.npz")
-
-
-def evaluate(method_dir: Path) -> dict:
-    """Both protocols' accuracy (%) of the run's final global model, and its per-class accuracy."""
-    pred, y, cfg, part = predictions(method_dir)
-    hit = pred == y
-    per_class = np.bincount(y, weights=hit, minlength=int(y.max()) + 1) / np.bincount(y)
+    models, rows = client_models(method_dir, cfg, part, model)
+    hit = hits(model, models, test.x, test.y)
+    classes = test.num_classes
+    per_class = (hit.astype(np.float64) @ np.eye(classes)[test.y]) / np.bincount(test.y, minlength=classes)  # [R, K]
+    # ours: each client's test shard, through its own model row (one gather, no loop)
+    lens = np.array([len(t) for t in part.test])
+    owner = np.repeat(np.arange(part.n_clients), lens)
+    shard_hit = hit[rows[owner], np.concatenate(part.test).astype(np.int64)]
+    tested = lens > 0
+    ours = float(np.mean(np.bincount(owner, shard_hit, minlength=part.n_clients)[tested] / lens[tested])) * 100
+    # the authors': each planted client on every test image of its cluster's classes
     p = cfg["partition"]
-    layout = cluster_classes(p["clusters"], p["classes_per_cluster"], len(per_class), p["shared_classes"])
-    authors = float(np.mean([per_class[cls].mean() for cls in layout])) * 100
-    ours = float(np.mean([hit[idx].mean() for idx in part.test if len(idx)])) * 100
+    layout = np.array(cluster_classes(p["clusters"], p["classes_per_cluster"], classes, p["shared_classes"]))
+    truth = part.cluster
+    planted = np.flatnonzero(truth >= 0)
+    client_classes = per_class[rows[planted, None], layout[truth[planted]]]  # [clients, classes of the cluster]
+    cluster_classes_acc = np.stack([client_classes[truth[planted] == k].mean(0) for k in range(len(layout))])
+    authors = float(cluster_classes_acc.mean()) * 100
     final = json.loads((method_dir / "metrics.jsonl").read_text().splitlines()[-1]).get("acc_mean")
     return {
         "run": str(method_dir),
+        "models": len(models),
         "reported_final": final,
         "ours_recomputed": ours,
         "authors_protocol": authors,
         "difference": authors - ours,
-        "per_class": [float(a) * 100 for a in per_class],
-        "layout": layout,
+        "per_class": (per_class[0] * 100).tolist() if len(models) == 1 else None,
+        "per_cluster_classes": (cluster_classes_acc * 100).tolist(),
+        "layout": layout.tolist(),
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("method_dir", type=Path, help="a method's folder inside a finished run (holds checkpoint.npz)")
-    got = evaluate(ap.parse_args().method_dir)
-    print(json.dumps({k: [round(a, 2) for a in v] if k == "per_class" else v for k, v in got.items()}, indent=2))
+    ap.add_argument("method_dir", type=Path, nargs="+", help="a method's folder in a finished run")
+    for method_dir in ap.parse_args().method_dir:
+        got = evaluate(method_dir)
+        rounded = {k: np.round(v, 2).tolist() if k.startswith("per_") and v is not None else v for k, v in got.items()}
+        print(json.dumps(rounded, indent=2))
 
 
 if __name__ == "__main__":

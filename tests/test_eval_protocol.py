@@ -1,14 +1,23 @@
-"""benchmarks/eval_cluster_classes.py re-tests a finished run's global model under the FLT
-authors' protocol. Its figures mean something only if it rebuilds the very model the run
+"""benchmarks/eval_cluster_classes.py re-tests a finished run's models under the FLT
+authors' protocol. Its figures mean something only if it rebuilds the very models the run
 evaluated: checked here by recomputing the run's own reported accuracy from the
-checkpoint, the partition and the test set."""
+checkpoint, the partition and the test set, for one global model (FedAvg) and for one
+model per cluster (the oracle)."""
 
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+import yaml
 from flt_command import QUICKSTART, flt
+
+from flt.models.flat import load_flat
+from flt.models.nets import build_model
+from flt.scenarios.datasets import load_dataset
+from flt.scenarios.partition import Partition
+from flt.server import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmark scripts are not a package
@@ -16,16 +25,22 @@ import eval_cluster_classes as protocol  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def fedavg_run(tmp_path_factory) -> Path:
+def run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("evalproto") / "run"
-    sets = ["methods=[fedavg]", "train.rounds=3", "partition.shared_classes=1", "partition.classes_per_cluster=3"]
+    sets = [
+        "methods=[fedavg, oracle, local]",
+        "train.rounds=3",
+        "partition.shared_classes=1",
+        "partition.classes_per_cluster=3",
+    ]
     done = flt("run", str(QUICKSTART), "--out", str(out), *(a for s in sets for a in ("--set", s)))
     assert done.returncode == 0, done.stderr[-2000:]
-    return out / "fedavg"
+    return out
 
 
-def test_recomputes_the_runs_own_accuracy(fedavg_run):
-    got = protocol.evaluate(fedavg_run)
+def test_recomputes_the_global_models_accuracy(run):
+    got = protocol.evaluate(run / "fedavg")
+    assert got["models"] == 1
     assert got["ours_recomputed"] == pytest.approx(got["reported_final"], abs=1e-6)
     # rings of three with one shared class: every class in one or two clusters' tests
     weights = np.bincount(np.concatenate(got["layout"]), minlength=10)
@@ -34,7 +49,45 @@ def test_recomputes_the_runs_own_accuracy(fedavg_run):
     assert got["authors_protocol"] == pytest.approx(expect)
 
 
-def test_refuses_a_method_without_one_global_model(tmp_path):
+def test_recomputes_cluster_models_accuracy(run):
+    """The oracle's five models, each client through its own: "ours" matches the run, and
+    the authors' figure matches each planted cluster's model tested, by a separate path
+    (the checkpoint's rows read directly), on every test image of its cluster's classes."""
+    got = protocol.evaluate(run / "oracle")
+    assert got["models"] == 5
+    assert got["ours_recomputed"] == pytest.approx(got["reported_final"], abs=1e-6)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    state = checkpoint.load(run / "oracle" / "checkpoint.npz")["strategy"]
+    test = load_dataset(cfg["data"]["dataset"], cfg["data"]["root"], train=False)
+    model = build_model(cfg["model"], test.x.shape[1:], test.num_classes, cfg["train"]["inputs"])
+    clusters = np.unique(Partition.load(run / "partition.npz").cluster)
+    per_cluster = []
+    for k, classes in zip(clusters, got["layout"], strict=True):
+        load_flat(model, state["models"][int(np.searchsorted(state["groups"], k))].float())
+        model.eval()
+        with torch.no_grad():
+            pred = model(torch.from_numpy(test.x).float() / 255).argmax(1).numpy()
+        per_cluster.append([np.mean(pred[test.y == c] == c) * 100 for c in classes])
+    np.testing.assert_allclose(got["per_cluster_classes"], per_cluster)
+    assert got["authors_protocol"] == pytest.approx(np.mean(per_cluster))
+
+
+def test_refuses_models_kept_on_the_devices(run):
+    with pytest.raises(SystemExit, match="devices"):
+        protocol.evaluate(run / "local")
+
+
+def test_refuses_a_folder_without_a_checkpoint(tmp_path):
     (tmp_path / "m").mkdir()
-    with pytest.raises(SystemExit, match="checkpoint"):
+    with pytest.raises(SystemExit, match=r"checkpoint\.npz"):
         protocol.evaluate(tmp_path / "m")
+
+
+def test_refuses_a_partition_without_planted_clusters(run, tmp_path):
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["partition"]["kind"] = "dirichlet"
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (tmp_path / "fedavg").mkdir()
+    (tmp_path / "fedavg" / "checkpoint.npz").write_bytes((run / "fedavg" / "checkpoint.npz").read_bytes())
+    with pytest.raises(SystemExit, match="dirichlet"):
+        protocol.evaluate(tmp_path / "fedavg")
