@@ -80,22 +80,11 @@ def hits(model: torch.nn.Module, models: torch.Tensor, x: np.ndarray, y: np.ndar
     return out
 
 
-def evaluate(method_dir: Path) -> dict:
-    """Both protocols' accuracy (%) of the run's final models, per planted cluster and class."""
-    run = method_dir.parent
-    for need in (method_dir / "checkpoint.npz", run / "config.yaml"):
-        if not need.is_file():
-            raise SystemExit(f"{need}: missing (give a method's folder inside a finished run)")
-    cfg = yaml.safe_load((run / "config.yaml").read_text())
-    if cfg["partition"]["kind"] != "clusters":
-        raise SystemExit(f"{run}: partition kind {cfg['partition']['kind']!r}; the protocol needs planted 'clusters'")
-    test = load_dataset(cfg["data"]["dataset"], cfg["data"]["root"], train=False)
-    part = Partition.load(run / "partition.npz")
-    model = build_model(cfg["model"], test.x.shape[1:], test.num_classes, cfg["train"]["inputs"])
-    models, rows = client_models(method_dir, cfg, part, model)
-    hit = hits(model, models, test.x, test.y)
-    classes = test.num_classes
-    per_class = (hit.astype(np.float64) @ np.eye(classes)[test.y]) / np.bincount(test.y, minlength=classes)  # [R, K]
+def scores(hit: np.ndarray, y: np.ndarray, rows: np.ndarray, part: Partition, partition_cfg: dict) -> dict:
+    """Both protocols' accuracy (%) from `hit` [R, N] (model row r right on test image n)
+    and the row each client is tested with; per planted cluster and class too."""
+    classes = int(y.max()) + 1
+    per_class = (hit.astype(np.float64) @ np.eye(classes)[y]) / np.bincount(y, minlength=classes)  # [R, K]
     # ours: each client's test shard, through its own model row (one gather, no loop)
     lens = np.array([len(t) for t in part.test])
     owner = np.repeat(np.arange(part.n_clients), lens)
@@ -103,24 +92,49 @@ def evaluate(method_dir: Path) -> dict:
     tested = lens > 0
     ours = float(np.mean(np.bincount(owner, shard_hit, minlength=part.n_clients)[tested] / lens[tested])) * 100
     # the authors': each planted client on every test image of its cluster's classes
-    p = cfg["partition"]
+    p = partition_cfg
     layout = np.array(cluster_classes(p["clusters"], p["classes_per_cluster"], classes, p["shared_classes"]))
     truth = part.cluster
     planted = np.flatnonzero(truth >= 0)
     client_classes = per_class[rows[planted, None], layout[truth[planted]]]  # [clients, classes of the cluster]
-    cluster_classes_acc = np.stack([client_classes[truth[planted] == k].mean(0) for k in range(len(layout))])
-    authors = float(cluster_classes_acc.mean()) * 100
+    by_cluster = np.stack([client_classes[truth[planted] == k].mean(0) for k in range(len(layout))])
+    return {
+        "ours": ours,
+        "authors_protocol": float(by_cluster.mean()) * 100,
+        "per_class": (per_class[0] * 100).tolist() if len(hit) == 1 else None,
+        "per_cluster_classes": (by_cluster * 100).tolist(),
+        "layout": layout.tolist(),
+    }
+
+
+def load_run(run: Path) -> tuple[dict, Partition]:
+    """A finished run's config and partition; refuses one without planted clusters."""
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    if cfg["partition"]["kind"] != "clusters":
+        raise SystemExit(f"{run}: partition kind {cfg['partition']['kind']!r}; the protocol needs planted 'clusters'")
+    return cfg, Partition.load(run / "partition.npz")
+
+
+def evaluate(method_dir: Path) -> dict:
+    """Both protocols' accuracy (%) of the run's final models, per planted cluster and class."""
+    run = method_dir.parent
+    for need in (method_dir / "checkpoint.npz", run / "config.yaml"):
+        if not need.is_file():
+            raise SystemExit(f"{need}: missing (give a method's folder inside a finished run)")
+    cfg, part = load_run(run)
+    test = load_dataset(cfg["data"]["dataset"], cfg["data"]["root"], train=False)
+    model = build_model(cfg["model"], test.x.shape[1:], test.num_classes, cfg["train"]["inputs"])
+    models, rows = client_models(method_dir, cfg, part, model)
+    got = scores(hits(model, models, test.x, test.y), test.y, rows, part, cfg["partition"])
     final = json.loads((method_dir / "metrics.jsonl").read_text().splitlines()[-1]).get("acc_mean")
+    ours = got.pop("ours")
     return {
         "run": str(method_dir),
         "models": len(models),
         "reported_final": final,
         "ours_recomputed": ours,
-        "authors_protocol": authors,
-        "difference": authors - ours,
-        "per_class": (per_class[0] * 100).tolist() if len(models) == 1 else None,
-        "per_cluster_classes": (cluster_classes_acc * 100).tolist(),
-        "layout": layout.tolist(),
+        "difference": got["authors_protocol"] - ours,
+        **got,
     }
 
 

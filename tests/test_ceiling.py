@@ -1,0 +1,56 @@
+"""benchmarks/ceiling_clusters.py: the centralised ceiling of a planted-cluster scenario.
+Its figure is an upper reference only if each cluster's model sees exactly its cluster's
+data (every distinct image its clients hold, nothing from another cluster) and is scored
+the way the runs are."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from flt_command import QUICKSTART
+
+from flt.emulator import config
+from flt.emulator.run import build_partition, hold_out_public, load_data
+from flt.scenarios.partition import cluster_classes
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmark scripts are not a package
+import ceiling_clusters as ceiling  # noqa: E402
+
+SHARED = ["partition.shared_classes=1", "partition.classes_per_cluster=3", "partition.on_short=share"]
+
+
+def test_pools_each_clusters_distinct_images_and_nothing_else():
+    cfg = config.load(str(QUICKSTART), SHARED)
+    train, test = load_data(cfg)
+    part = build_partition(cfg, train, test, hold_out_public(cfg, len(train.y)))
+    xs, ys = ceiling.cluster_data(train, part)
+    p = cfg["partition"]
+    layout = cluster_classes(p["clusters"], p["classes_per_cluster"], 10, p["shared_classes"])
+    assert len(xs) == len(layout)
+    for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        held = np.unique(np.concatenate([part.train[c] for c in np.flatnonzero(part.cluster == k)]))
+        assert len(x) == len(y) == len(held)  # each image once, however many clients hold it
+        assert np.array_equal(x.numpy(), train.x[held])
+        assert set(y.tolist()) == set(layout[k])
+
+
+def test_prints_and_writes_a_curve_that_learns(tmp_path):
+    out = tmp_path / "ceiling.json"
+    sets = [a for s in SHARED for a in ("--set", s)]
+    args = [str(QUICKSTART), *sets, "--epochs", "3", "--eval-every", "1", "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "ceiling_clusters.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert [r["epoch"] for r in got["curve"]] == [1, 2, 3]
+    assert got["final"] == got["curve"][-1]
+    # three classes a cluster: far above the 10-class chance of the untrained model
+    assert got["final"]["authors_protocol"] > 80
+    assert "epoch    3" in done.stdout
