@@ -81,7 +81,9 @@ def main() -> None:
         models, _ = trainer.train(models, xs, ys, tc, gens)
         done += step
         got = scores(hits(model, models, test.x, test.y), test.y, rows, part, cfg["partition"])
-        curve.append({"epoch": done, "ours": got["ours"], "authors_protocol": got["authors_protocol"]})
+        point = {k: got[k] for k in ("ours", "authors_protocol")}
+        point["per_cluster"] = np.mean(got["per_cluster_classes"], axis=1).tolist()  # the authors' protocol
+        curve.append({"epoch": done, **point})
         print(
             f"epoch {done:4d}  ours {got['ours']:6.2f}  authors' {got['authors_protocol']:6.2f}  "
             f"({time.perf_counter() - tic:.0f} s)",
