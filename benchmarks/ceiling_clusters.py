@@ -36,10 +36,10 @@ from flt.models.flat import param_spec
 from flt.models.nets import build_model
 
 
-def cluster_data(train, part) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each planted cluster's distinct training images (uint8) and labels, pooled."""
+def cluster_data(train, part, clusters) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each of `clusters`' distinct training images (uint8) and labels, pooled."""
     xs, ys = [], []
-    for k in np.unique(part.cluster[part.cluster >= 0]):
+    for k in clusters:
         members = np.flatnonzero(part.cluster == k)
         idx = np.unique(np.concatenate([part.train[c] for c in members]).astype(np.int64))
         xs.append(torch.from_numpy(np.ascontiguousarray(train.x[idx])))
@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="override a field, as flt run's --set")
     ap.add_argument("--epochs", type=int, help="passes over each cluster's data (default: T * rho * E)")
     ap.add_argument("--eval-every", type=int, help="epochs between evaluations (default: epochs / 20)")
+    ap.add_argument("--clusters", type=int, nargs="+", help="planted clusters to train (default: all)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: beside other runs)")
     ap.add_argument("--out", type=Path, help="write the curve and the final figures here (JSON)")
     args = ap.parse_args()
@@ -69,18 +70,19 @@ def main() -> None:
     init, spec = initial_weights(cfg, train)
     model = build_model(cfg["model"], tuple(spec["in_shape"]), spec["num_classes"], t["inputs"])
     trainer = CohortTrainer(model, param_spec(model))
-    xs, ys = cluster_data(train, part)
+    clusters = np.array(args.clusters or np.unique(part.cluster[part.cluster >= 0]))
+    xs, ys = cluster_data(train, part, clusters)
     print(f"{len(xs)} clusters of {[len(x) for x in xs]} distinct images; {epochs} epochs, evaluated every {every}")
     models = init[None].repeat(len(xs), 1)
-    gens = [torch.Generator().manual_seed(int(cfg["seed"]) * 1000 + k) for k in range(len(xs))]
-    rows = np.searchsorted(np.unique(part.cluster[part.cluster >= 0]), part.cluster)  # a client's cluster model
+    gens = [torch.Generator().manual_seed(int(cfg["seed"]) * 1000 + int(k)) for k in clusters]  # by id: subsets repeat
+    rows = np.searchsorted(clusters, part.cluster).clip(0, len(clusters) - 1)  # a client's model (if scored)
     curve, done, tic = [], 0, time.perf_counter()
     while done < epochs:
         step = min(every, epochs - done)
         tc = TrainConfig(step, t["batch_size"], t["lr"], momentum=t["momentum"], vectorize=t["vectorize"])
         models, _ = trainer.train(models, xs, ys, tc, gens)
         done += step
-        got = scores(hits(model, models, test.x, test.y), test.y, rows, part, cfg["partition"])
+        got = scores(hits(model, models, test.x, test.y), test.y, rows, part, cfg["partition"], clusters)
         point = {k: got[k] for k in ("ours", "authors_protocol")}
         point["per_cluster"] = np.mean(got["per_cluster_classes"], axis=1).tolist()  # the authors' protocol
         curve.append({"epoch": done, **point})

@@ -80,30 +80,34 @@ def hits(model: torch.nn.Module, models: torch.Tensor, x: np.ndarray, y: np.ndar
     return out
 
 
-def scores(hit: np.ndarray, y: np.ndarray, rows: np.ndarray, part: Partition, partition_cfg: dict) -> dict:
+def scores(hit: np.ndarray, y: np.ndarray, rows: np.ndarray, part: Partition, partition_cfg: dict, only=None) -> dict:
     """Both protocols' accuracy (%) from `hit` [R, N] (model row r right on test image n)
-    and the row each client is tested with; per planted cluster and class too."""
+    and the row each client is tested with; per planted cluster and class too. `only`:
+    the planted clusters to score (their clients alone), all by default."""
+    keep = np.isin(part.cluster, only) if only is not None else np.ones(part.n_clients, dtype=bool)
     classes = int(y.max()) + 1
     per_class = (hit.astype(np.float64) @ np.eye(classes)[y]) / np.bincount(y, minlength=classes)  # [R, K]
     # ours: each client's test shard, through its own model row (one gather, no loop)
     lens = np.array([len(t) for t in part.test])
     owner = np.repeat(np.arange(part.n_clients), lens)
     shard_hit = hit[rows[owner], np.concatenate(part.test).astype(np.int64)]
-    tested = lens > 0
+    tested = (lens > 0) & keep
     ours = float(np.mean(np.bincount(owner, shard_hit, minlength=part.n_clients)[tested] / lens[tested])) * 100
     # the authors': each planted client on every test image of its cluster's classes
     p = partition_cfg
     layout = np.array(cluster_classes(p["clusters"], p["classes_per_cluster"], classes, p["shared_classes"]))
     truth = part.cluster
-    planted = np.flatnonzero(truth >= 0)
+    planted = np.flatnonzero((truth >= 0) & keep)
     client_classes = per_class[rows[planted, None], layout[truth[planted]]]  # [clients, classes of the cluster]
-    by_cluster = np.stack([client_classes[truth[planted] == k].mean(0) for k in range(len(layout))])
+    clusters = np.unique(truth[planted])
+    by_cluster = np.stack([client_classes[truth[planted] == k].mean(0) for k in clusters])
     return {
         "ours": ours,
         "authors_protocol": float(by_cluster.mean()) * 100,
         "per_class": (per_class[0] * 100).tolist() if len(hit) == 1 else None,
         "per_cluster_classes": (by_cluster * 100).tolist(),
-        "layout": layout.tolist(),
+        "clusters": clusters.tolist(),
+        "layout": layout[clusters].tolist(),
     }
 
 

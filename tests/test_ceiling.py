@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from flt_command import QUICKSTART
 
 from flt.emulator import config
@@ -26,7 +27,7 @@ def test_pools_each_clusters_distinct_images_and_nothing_else():
     cfg = config.load(str(QUICKSTART), SHARED)
     train, test = load_data(cfg)
     part = build_partition(cfg, train, test, hold_out_public(cfg, len(train.y)))
-    xs, ys = ceiling.cluster_data(train, part)
+    xs, ys = ceiling.cluster_data(train, part, np.unique(part.cluster))
     p = cfg["partition"]
     layout = cluster_classes(p["clusters"], p["classes_per_cluster"], 10, p["shared_classes"])
     assert len(xs) == len(layout)
@@ -37,10 +38,9 @@ def test_pools_each_clusters_distinct_images_and_nothing_else():
         assert set(y.tolist()) == set(layout[k])
 
 
-def test_prints_and_writes_a_curve_that_learns(tmp_path):
-    out = tmp_path / "ceiling.json"
+def ceiling_run(out: Path, *more: str) -> subprocess.CompletedProcess:
     sets = [a for s in SHARED for a in ("--set", s)]
-    args = [str(QUICKSTART), *sets, "--epochs", "3", "--eval-every", "1", "--out", str(out)]
+    args = [str(QUICKSTART), *sets, "--out", str(out), *more]
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "ceiling_clusters.py"), *args],
         capture_output=True,
@@ -48,9 +48,26 @@ def test_prints_and_writes_a_curve_that_learns(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+def test_prints_and_writes_a_curve_that_learns(tmp_path):
+    out = tmp_path / "ceiling.json"
+    done = ceiling_run(out, "--epochs", "3", "--eval-every", "1")
     got = json.loads(out.read_text())
     assert [r["epoch"] for r in got["curve"]] == [1, 2, 3]
     assert got["final"] == got["curve"][-1]
     # three classes a cluster: far above the 10-class chance of the untrained model
     assert got["final"]["authors_protocol"] > 80
     assert "epoch    3" in done.stdout
+
+
+def test_scores_only_the_clusters_it_trains(tmp_path):
+    every, one = tmp_path / "every.json", tmp_path / "one.json"
+    ceiling_run(every, "--epochs", "1")
+    ceiling_run(one, "--epochs", "1", "--clusters", "2")
+    every_got, one_got = json.loads(every.read_text()), json.loads(one.read_text())
+    assert one_got["cluster_images"] == [every_got["cluster_images"][2]]
+    assert one_got["layout"] == [every_got["layout"][2]]
+    # the same seeds and data: cluster 2's model is the one trained beside the others
+    assert one_got["final"]["per_cluster"] == pytest.approx([every_got["final"]["per_cluster"][2]])
