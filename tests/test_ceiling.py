@@ -60,6 +60,7 @@ def test_prints_and_writes_a_curve_that_learns(tmp_path):
     # three classes a cluster: far above the 10-class chance of the untrained model
     assert got["final"]["authors_protocol"] > 80
     assert "epoch    3" in done.stdout
+    assert out.with_suffix(".png").stat().st_size > 0
 
 
 def test_scores_only_the_clusters_it_trains(tmp_path):
