@@ -70,30 +70,19 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("scenario")
-    ap.add_argument("--set", action="append", default=[], help="override a field, as flt run's --set")
-    ap.add_argument("--epochs", type=int, help="passes over each cluster's data (default: T * rho * E)")
-    ap.add_argument("--eval-every", type=int, help="epochs between evaluations (default: epochs / 20)")
-    ap.add_argument("--clusters", type=int, nargs="+", help="planted clusters to train (default: all)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: beside other runs)")
-    ap.add_argument("--out", type=Path, help="write the curve and the final figures here (JSON; a PNG beside it)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    cfg = config.load(args.scenario, args.set)
-    if cfg["partition"]["kind"] != "clusters":
-        raise SystemExit(f"{args.scenario}: partition kind {cfg['partition']['kind']!r}; needs planted 'clusters'")
+def ceiling(cfg: dict, epochs: int, every: int, only: list[int] | None) -> dict:
+    """Train each planted cluster's model on its pooled data; the curve every `every` epochs."""
     t = cfg["train"]
-    epochs = args.epochs or max(1, round(t["rounds"] * t["participation"] * t["local_epochs"]))
-    every = args.eval_every or max(1, epochs // 20)
-
     train, test = load_data(cfg)
     part = build_partition(cfg, train, test, hold_out_public(cfg, len(train.y)))
+    planted = np.unique(part.cluster[part.cluster >= 0])
+    unknown = sorted(set(only or []) - set(planted.tolist()))
+    if unknown:
+        raise SystemExit(f"--clusters: no planted cluster {unknown} (the scenario plants {planted.tolist()})")
+    clusters = np.array(only) if only else planted
     init, spec = initial_weights(cfg, train)
     model = build_model(cfg["model"], tuple(spec["in_shape"]), spec["num_classes"], t["inputs"])
     trainer = CohortTrainer(model, param_spec(model))
-    clusters = np.array(args.clusters or np.unique(part.cluster[part.cluster >= 0]))
     xs, ys = cluster_data(train, part, clusters)
     print(f"{len(xs)} clusters of {[len(x) for x in xs]} distinct images; {epochs} epochs, evaluated every {every}")
     models = init[None].repeat(len(xs), 1)
@@ -114,23 +103,40 @@ def main() -> None:
             f"({time.perf_counter() - tic:.0f} s)",
             flush=True,
         )
-    best = max(curve, key=lambda r: r["ours"])
-    result = {
-        "scenario": args.scenario,
-        "set": args.set,
+    return {
         "epochs": epochs,
         "clusters": clusters.tolist(),
         "cluster_images": [len(x) for x in xs],
         "final": curve[-1],
-        "best": best,
+        "best": max(curve, key=lambda r: r["ours"]),
         "per_cluster_classes": got["per_cluster_classes"],
         "layout": got["layout"],
         "curve": curve,
         "wall_s": time.perf_counter() - tic,
     }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("scenario")
+    ap.add_argument("--set", action="append", default=[], help="override a field, as flt run's --set")
+    ap.add_argument("--epochs", type=int, help="passes over each cluster's data (default: T * rho * E)")
+    ap.add_argument("--eval-every", type=int, help="epochs between evaluations (default: epochs / 20)")
+    ap.add_argument("--clusters", type=int, nargs="+", help="planted clusters to train (default: all)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: beside other runs)")
+    ap.add_argument("--out", type=Path, help="write the curve and the final figures here (JSON; a PNG beside it)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = config.load(args.scenario, args.set)
+    if cfg["partition"]["kind"] != "clusters":
+        raise SystemExit(f"{args.scenario}: partition kind {cfg['partition']['kind']!r}; needs planted 'clusters'")
+    t = cfg["train"]
+    epochs = args.epochs or max(1, round(t["rounds"] * t["participation"] * t["local_epochs"]))
+    result = ceiling(cfg, epochs, args.eval_every or max(1, epochs // 20), args.clusters)
     print(json.dumps({k: result[k] for k in ("epochs", "cluster_images", "final", "best")}))
     if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
+        # the resolved scenario travels with the figures, as with every run
+        args.out.write_text(json.dumps({"scenario": args.scenario, "set": args.set, **result, "config": cfg}, indent=1))
         plot(result, args.out.with_suffix(".png"))
 
 

@@ -61,6 +61,7 @@ def test_prints_and_writes_a_curve_that_learns(tmp_path):
     assert got["final"]["authors_protocol"] > 80
     assert "epoch    3" in done.stdout
     assert out.with_suffix(".png").stat().st_size > 0
+    assert got["config"]["partition"]["on_short"] == "share"  # the resolved scenario, --set included
 
 
 def test_scores_only_the_clusters_it_trains(tmp_path):
@@ -72,3 +73,15 @@ def test_scores_only_the_clusters_it_trains(tmp_path):
     assert one_got["layout"] == [every_got["layout"][2]]
     # the same seeds and data: cluster 2's model is the one trained beside the others
     assert one_got["final"]["per_cluster"] == pytest.approx([every_got["final"]["per_cluster"][2]])
+
+
+def test_names_a_cluster_the_scenario_does_not_plant(tmp_path):
+    sets = [a for s in SHARED for a in ("--set", s)]
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "ceiling_clusters.py"), str(QUICKSTART), *sets, "--clusters", "7"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0
+    assert "no planted cluster [7]" in done.stderr
