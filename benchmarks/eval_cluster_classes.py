@@ -19,7 +19,7 @@ cluster models ...). Methods whose models stay on the devices (Local) cannot be 
 The run's own final accuracy is printed beside the recomputed "ours" as a check that the
 models were loaded right.
 
-    python benchmarks/eval_cluster_classes.py RUN_DIR/METHOD_LABEL
+    python benchmarks/eval_cluster_classes.py RUN_DIR/METHOD_LABEL [RUN_DIR/METHOD_LABEL ...]
 """
 
 from __future__ import annotations
