@@ -15,6 +15,11 @@ through its cluster's model) and the FLT authors' (every test image of a cluster
 classes). The momentum buffer restarts at every evaluation, as a client's does at every
 round.
 
+`--eval-every` may be a fraction of a pass (0.5: every half pass), to compare with a
+federation that makes fewer SGD steps than one pass: each pass then draws a seeded order
+of the cluster's images and trains one consecutive slice of it at a time (the momentum
+buffer restarts at each slice).
+
     python benchmarks/ceiling_clusters.py SCENARIO.yaml [--set k=v ...] [--epochs N] [--out F.json]
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -70,7 +76,33 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def ceiling(cfg: dict, epochs: int, every: int, only: list[int] | None) -> dict:
+def slices(done: float, step: float) -> list[tuple[int, float, float]]:
+    """The span [done, done + step] (in passes) cut at whole passes: (pass, start, end),
+    start and end as fractions of that pass."""
+    out, lo, hi = [], done, done + step
+    while hi - lo > 1e-9:
+        p = math.floor(lo + 1e-9)
+        end = min(hi, p + 1.0)
+        out.append((p, lo - p, end - p))
+        lo = end
+    return out
+
+
+def train_slices(trainer, models, xs, ys, t, gens, done, step, orders):
+    """Train `step` passes from pass position `done` (fractions allowed): each pass's
+    images in a seeded order drawn when the pass starts, one consecutive slice a call."""
+    tc = TrainConfig(1, t["batch_size"], t["lr"], momentum=t["momentum"], vectorize=t["vectorize"])
+    for _, start, end in slices(done, step):
+        if start < 1e-9:  # a new pass: a new order for each cluster
+            orders = [torch.randperm(len(x), generator=g) for x, g in zip(xs, gens, strict=True)]
+        cut = [o[round(start * len(o)) : round(end * len(o))] for o in orders]
+        sub_x = [x[c] for x, c in zip(xs, cut, strict=True)]
+        sub_y = [y[c] for y, c in zip(ys, cut, strict=True)]
+        models, _ = trainer.train(models, sub_x, sub_y, tc, gens)
+    return models, orders
+
+
+def ceiling(cfg: dict, epochs: float, every: float, only: list[int] | None) -> dict:
     """Train each planted cluster's model on its pooled data; the curve every `every` epochs."""
     t = cfg["train"]
     train, test = load_data(cfg)
@@ -88,18 +120,23 @@ def ceiling(cfg: dict, epochs: int, every: int, only: list[int] | None) -> dict:
     models = init[None].repeat(len(xs), 1)
     gens = [torch.Generator().manual_seed(int(cfg["seed"]) * 1000 + int(k)) for k in clusters]  # by id: subsets repeat
     rows = np.searchsorted(clusters, part.cluster).clip(0, len(clusters) - 1)  # a client's model (if scored)
-    curve, done, tic = [], 0, time.perf_counter()
-    while done < epochs:
+    curve, done, tic = [], 0.0, time.perf_counter()
+    whole = float(every).is_integer() and float(epochs).is_integer()
+    orders: list[torch.Tensor] = []
+    while done < epochs - 1e-9:
         step = min(every, epochs - done)
-        tc = TrainConfig(step, t["batch_size"], t["lr"], momentum=t["momentum"], vectorize=t["vectorize"])
-        models, _ = trainer.train(models, xs, ys, tc, gens)
+        if whole:
+            tc = TrainConfig(int(step), t["batch_size"], t["lr"], momentum=t["momentum"], vectorize=t["vectorize"])
+            models, _ = trainer.train(models, xs, ys, tc, gens)
+        else:
+            models, orders = train_slices(trainer, models, xs, ys, t, gens, done, step, orders)
         done += step
         got = scores(hits(model, models, test.x, test.y), test.y, rows, part, cfg["partition"], clusters)
         point = {k: got[k] for k in ("ours", "authors_protocol")}
         point["per_cluster"] = np.mean(got["per_cluster_classes"], axis=1).tolist()  # the authors' protocol
-        curve.append({"epoch": done, **point})
+        curve.append({"epoch": round(done, 6), **point})
         print(
-            f"epoch {done:4d}  ours {got['ours']:6.2f}  authors' {got['authors_protocol']:6.2f}  "
+            f"epoch {done:4g}  ours {got['ours']:6.2f}  authors' {got['authors_protocol']:6.2f}  "
             f"({time.perf_counter() - tic:.0f} s)",
             flush=True,
         )
@@ -120,8 +157,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("scenario")
     ap.add_argument("--set", action="append", default=[], help="override a field, as flt run's --set")
-    ap.add_argument("--epochs", type=int, help="passes over each cluster's data (default: T * rho * E)")
-    ap.add_argument("--eval-every", type=int, help="epochs between evaluations (default: epochs / 20)")
+    ap.add_argument("--epochs", type=float, help="passes over each cluster's data (default: T * rho * E)")
+    ap.add_argument(
+        "--eval-every", type=float, help="passes between evaluations; fractions allowed (default: epochs / 20)"
+    )
     ap.add_argument("--clusters", type=int, nargs="+", help="planted clusters to train (default: all)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: beside other runs)")
     ap.add_argument("--out", type=Path, help="write the curve and the final figures here (JSON; a PNG beside it)")

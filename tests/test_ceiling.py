@@ -85,3 +85,45 @@ def test_names_a_cluster_the_scenario_does_not_plant(tmp_path):
     )
     assert done.returncode != 0
     assert "no planted cluster [7]" in done.stderr
+
+
+def test_cuts_a_span_of_passes_at_each_whole_pass():
+    assert ceiling.slices(0.0, 0.5) == [(0, 0.0, 0.5)]
+    assert ceiling.slices(0.5, 1.0) == [(0, 0.5, 1.0), (1, 0.0, 0.5)]
+    assert ceiling.slices(1.0, 2.0) == [(1, 0.0, 1.0), (2, 0.0, 1.0)]
+
+
+class RecordingTrainer:
+    """Stands in for CohortTrainer: returns the models unchanged, keeps what it was given."""
+
+    def __init__(self):
+        self.seen: list[list[int]] = []
+
+    def train(self, models, xs, ys, tc, gens):
+        assert tc.epochs == 1
+        self.seen.append(xs[0].tolist())
+        return models, None
+
+
+def test_half_passes_train_every_image_once_a_pass_in_a_new_order():
+    import torch
+
+    xs, ys = [torch.arange(10)], [torch.zeros(10, dtype=torch.long)]
+    gens = [torch.Generator().manual_seed(0)]
+    t = {"batch_size": 2, "lr": 0.1, "momentum": 0.0, "vectorize": "auto"}
+    rec, models, orders = RecordingTrainer(), torch.zeros(1, 3), []
+    for done in (0.0, 0.5, 1.0, 1.5):
+        models, orders = ceiling.train_slices(rec, models, xs, ys, t, gens, done, 0.5, orders)
+    assert [len(s) for s in rec.seen] == [5, 5, 5, 5]
+    first, second = rec.seen[0] + rec.seen[1], rec.seen[2] + rec.seen[3]
+    assert sorted(first) == sorted(second) == list(range(10))  # each pass covers the data once
+    assert first != second  # and draws its own order
+
+
+def test_evaluates_at_fractions_of_a_pass(tmp_path):
+    out = tmp_path / "half.json"
+    done = ceiling_run(out, "--epochs", "1", "--eval-every", "0.5", "--clusters", "0")
+    got = json.loads(out.read_text())
+    assert [r["epoch"] for r in got["curve"]] == [0.5, 1.0]
+    assert "epoch  0.5" in done.stdout
+    assert got["final"]["authors_protocol"] > 50  # two classes' worth of learning after one pass
