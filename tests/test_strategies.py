@@ -73,6 +73,27 @@ def test_oracle_averages_inside_each_planted_cluster(tmp_path):
     assert oracle.summary()["ari"] == pytest.approx(1.0)
 
 
+def test_oracle_pool_all_averages_every_members_latest_model(tmp_path):
+    """The authors' `all_clients` inside each planted cluster: members not selected count
+    with their latest row (the initial model until they first train), weighted by n."""
+    ctx = make_ctx(tmp_path, m=5, truth=np.array([0, 0, 0, 1, 1]), n_train=np.arange(1, 6))
+    pool, plain = Oracle(ctx, pool="all"), Oracle(ctx)
+    ones, twos, init = torch.ones(P), 2 * torch.ones(P), ctx.init
+    for s in (pool, plain):
+        s.aggregate(1, {0: result(ones, n=1), 3: result(twos, n=4)})
+    models, rows = pool.eval_models(np.arange(5))
+    assert torch.allclose(models[rows[0]], (1 * ones + 2 * init + 3 * init) / 6)
+    assert torch.allclose(models[rows[3]], (4 * twos + 5 * init) / 9)
+    models, rows = plain.eval_models(np.arange(5))
+    assert torch.allclose(models[rows[0]], ones) and torch.allclose(models[rows[3]], twos)
+    pool.aggregate(2, {1: result(3 * ones, n=2)})  # client 0 keeps its round-1 row
+    models, rows = pool.eval_models(np.arange(5))
+    assert torch.allclose(models[rows[0]], (1 * ones + 2 * 3 * ones + 3 * init) / 6)
+    assert torch.allclose(models[rows[3]], (4 * twos + 5 * init) / 9)  # nobody of cluster 1 came back
+    with pytest.raises(ConfigError, match="pool"):
+        Oracle(ctx, pool="everyone")
+
+
 # -- FedProx / Local -------------------------------------------------------------------
 def test_fedprox_sends_mu_and_averages(tmp_path):
     ctx = make_ctx(tmp_path)

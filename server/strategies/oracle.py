@@ -10,6 +10,11 @@ their own cluster's model, and cluster c's model becomes
 clustering lost nothing; the gap between them is what its clustering costs. Clients
 without a planted cluster (truth -1) form one group of their own, so on a scenario that
 plants none (Dirichlet, the FEMNIST writers) the oracle is FedAvg.
+
+`pool: all`, as FedAvg's, is the FLT authors' code (`all_clients: True`, which their FLT
+runs use too): the server keeps every client's latest model, and W_c averages all of
+cluster c's rows, those of the clients not selected this round included, so they hold the
+cluster's model back (a server step of about rho).
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ import numpy as np
 import torch
 
 from flt.server.strategies.base import Result, Strategy, Task, agreement, cluster_average, one_hot, stack
+from flt.server.strategies.params import FEDAVG
 
 
 class Oracle(Strategy):
     name = "oracle"
-    PARAMS: dict = {}
+    PARAMS = FEDAVG  # FedAvg's `pool`: the oracle is FedAvg inside each cluster
 
     def __init__(self, ctx, **params):
         super().__init__(ctx, **params)
@@ -30,6 +36,8 @@ class Oracle(Strategy):
         # data swaps their truth)
         self.groups = np.unique(np.asarray(ctx.truth))
         self.models = self.on(ctx.init.clone())[None].repeat(len(self.groups), 1)
+        # pool 'all': [M, P], every client's latest model (module docstring)
+        self.latest = self.models[0].repeat(ctx.n_clients, 1) if self.params["pool"] == "all" else None
 
     def rows(self, clients: np.ndarray) -> np.ndarray:
         """Each client's row of self.models: its planted cluster's."""
@@ -44,6 +52,10 @@ class Oracle(Strategy):
             return
         clients = sorted(results)
         models, n = stack(results, clients)
+        if self.latest is not None:
+            self.latest[torch.as_tensor(clients, device=self.latest.device)] = models
+            clients, models = list(range(len(self.latest))), self.latest
+            n = self.on(torch.as_tensor(self.ctx.n_train))
         hard = one_hot(self.rows(np.array(clients)), len(self.groups), like=models)
         self.models = cluster_average(models, n, hard, keep=self.models)
 

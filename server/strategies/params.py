@@ -488,5 +488,5 @@ METHODS = {
     "cfl": Method("flt.server.strategies.cfl", "CFL", CFL),
     "fedgroup": Method("flt.server.strategies.fedgroup", "FedGroup", FEDGROUP),
     "pacfl": Method("flt.server.strategies.pacfl", "PACFL", PACFL),
-    "oracle": Method("flt.server.strategies.oracle", "Oracle", {}),  # told the planted clusters: a reference
+    "oracle": Method("flt.server.strategies.oracle", "Oracle", FEDAVG),  # told the planted clusters: a reference
 }
