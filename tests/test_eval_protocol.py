@@ -4,6 +4,7 @@ evaluated: checked here by recomputing the run's own reported accuracy from the
 checkpoint, the partition and the test set, for one global model (FedAvg) and for one
 model per cluster (the oracle)."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -91,3 +92,35 @@ def test_refuses_a_partition_without_planted_clusters(run, tmp_path):
     (tmp_path / "fedavg" / "checkpoint.npz").write_bytes((run / "fedavg" / "checkpoint.npz").read_bytes())
     with pytest.raises(SystemExit, match="dirichlet"):
         protocol.evaluate(tmp_path / "fedavg")
+
+
+def test_sets_each_round_beside_the_ceiling_after_as_many_steps(run):
+    """benchmarks/steps_vs_ceiling.py: round t of a run is t * E * ceil(n / B) SGD steps,
+    read on the ceiling's curve in its passes of ceil(N / B) steps."""
+    import math
+
+    import steps_vs_ceiling as steps
+
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    part = Partition.load(run / "partition.npz")
+    e, b = cfg["train"]["local_epochs"], cfg["train"]["batch_size"]
+    per_round = e * math.ceil(np.median([len(a) for a in part.train]) / b)
+    one = per_round / 10  # the passes of one round, with a pass of 10 steps
+    ceiling = {
+        "cluster_images": [10 * b - 3, 10 * b - 3],
+        "curve": [{"epoch": one, "ours": 40.0}, {"epoch": 3 * one, "ours": 60.0}],
+    }
+    got = steps.matched(ceiling, run / "oracle")
+    assert got["steps_per_round"] == per_round
+    reported = [
+        r["acc_mean"]
+        for r in map(json.loads, (run / "oracle" / "metrics.jsonl").read_text().splitlines())
+        if r.get("acc_mean") is not None
+    ]
+    assert [r["run"] for r in got["rows"]] == reported
+    by_round = {r["round"]: r for r in got["rows"]}
+    assert by_round[2]["passes"] == pytest.approx(2 * one)
+    assert by_round[1]["ceiling"] == pytest.approx(40.0) and by_round[2]["ceiling"] == pytest.approx(50.0)
+    assert by_round[3]["ceiling"] == pytest.approx(60.0)
+    ceiling["curve"].pop()  # the ceiling stops at round 1's passes: nothing is read beyond it
+    assert steps.matched(ceiling, run / "oracle")["rows"][-1]["ceiling"] is None
