@@ -13,6 +13,8 @@ ceiling is interpolated linearly between its evaluations; before its first one a
 its last one the column is left empty.
 
     python benchmarks/steps_vs_ceiling.py CEILING.json RUN/METHOD [RUN/METHOD ...] [--out F.json]
+
+With --out, a PNG beside the JSON draws the ceiling's curve and every run against passes.
 """
 
 from __future__ import annotations
@@ -72,6 +74,29 @@ def show(got: dict) -> None:
         print(f"  {r['round']:5d}  {r['passes']:6.2f}  {r['run']:6.2f}{tail}")
 
 
+def plot(ceiling: dict, every: list[dict], path: Path) -> None:
+    """The ceiling and each run against SGD steps, in the ceiling's passes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    curve = ceiling["curve"]
+    ax.plot([r["epoch"] for r in curve], [r["ours"] for r in curve], "k-", lw=2, label="centralised ceiling")
+    for got in every:
+        label = "/".join(Path(got["run"]).parts[-2:])
+        ax.plot([r["passes"] for r in got["rows"]], [r["run"] for r in got["rows"]], "-o", ms=3, lw=1, label=label)
+    ax.set_xscale("log")
+    ax.set(xlabel="SGD steps, in passes over a cluster's pooled data (log)", ylabel="test accuracy (%)")
+    ax.set_title("each round's accuracy after as many SGD steps as the ceiling's", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ceiling", type=Path, help="a ceiling_clusters.py JSON")
@@ -87,6 +112,7 @@ def main() -> None:
         show(every[-1])
     if args.out:
         args.out.write_text(json.dumps({"ceiling": str(args.ceiling), "runs": every}, indent=1))
+        plot(ceiling, every, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

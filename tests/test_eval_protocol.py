@@ -124,3 +124,20 @@ def test_sets_each_round_beside_the_ceiling_after_as_many_steps(run):
     assert by_round[3]["ceiling"] == pytest.approx(60.0)
     ceiling["curve"].pop()  # the ceiling stops at round 1's passes: nothing is read beyond it
     assert steps.matched(ceiling, run / "oracle")["rows"][-1]["ceiling"] is None
+
+
+def test_steps_command_writes_its_tables_and_a_plot(run, tmp_path):
+    import subprocess
+
+    ceiling = {"cluster_images": [100], "curve": [{"epoch": 0.5, "ours": 40.0}, {"epoch": 50.0, "ours": 90.0}]}
+    (tmp_path / "c.json").write_text(json.dumps(ceiling))
+    out = tmp_path / "steps.json"
+    script = REPO / "benchmarks" / "steps_vs_ceiling.py"
+    args = [sys.executable, str(script), str(tmp_path / "c.json"), str(run / "oracle"), "--out", str(out)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "steps a round" in done.stdout
+    assert [r["round"] for r in json.loads(out.read_text())["runs"][0]["rows"]] == [1, 2, 3]
+    assert out.with_suffix(".png").stat().st_size > 0
+    missing = subprocess.run([*args[:3], str(run / "nothing")], capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "metrics.jsonl: missing" in missing.stderr
