@@ -88,10 +88,15 @@ def slices(done: float, step: float) -> list[tuple[int, float, float]]:
     return out
 
 
+def sgd(t: dict, epochs: int) -> TrainConfig:
+    """The scenario's SGD settings for `epochs` passes."""
+    return TrainConfig(epochs, t["batch_size"], t["lr"], momentum=t["momentum"], vectorize=t["vectorize"])
+
+
 def train_slices(trainer, models, xs, ys, t, gens, done, step, orders):
     """Train `step` passes from pass position `done` (fractions allowed): each pass's
     images in a seeded order drawn when the pass starts, one consecutive slice a call."""
-    tc = TrainConfig(1, t["batch_size"], t["lr"], momentum=t["momentum"], vectorize=t["vectorize"])
+    tc = sgd(t, 1)
     for _, start, end in slices(done, step):
         if start < 1e-9:  # a new pass: a new order for each cluster
             orders = [torch.randperm(len(x), generator=g) for x, g in zip(xs, gens, strict=True)]
@@ -126,8 +131,7 @@ def ceiling(cfg: dict, epochs: float, every: float, only: list[int] | None) -> d
     while done < epochs - 1e-9:
         step = min(every, epochs - done)
         if whole:
-            tc = TrainConfig(int(step), t["batch_size"], t["lr"], momentum=t["momentum"], vectorize=t["vectorize"])
-            models, _ = trainer.train(models, xs, ys, tc, gens)
+            models, _ = trainer.train(models, xs, ys, sgd(t, int(step)), gens)
         else:
             models, orders = train_slices(trainer, models, xs, ys, t, gens, done, step, orders)
         done += step

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from flt_command import QUICKSTART
 
 from flt.emulator import config
@@ -106,8 +107,6 @@ class RecordingTrainer:
 
 
 def test_half_passes_train_every_image_once_a_pass_in_a_new_order():
-    import torch
-
     xs, ys = [torch.arange(10)], [torch.zeros(10, dtype=torch.long)]
     gens = [torch.Generator().manual_seed(0)]
     t = {"batch_size": 2, "lr": 0.1, "momentum": 0.0, "vectorize": "auto"}

@@ -5,6 +5,8 @@ checkpoint, the partition and the test set, for one global model (FedAvg) and fo
 model per cluster (the oracle)."""
 
 import json
+import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from flt.server import checkpoint
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmark scripts are not a package
 import eval_cluster_classes as protocol  # noqa: E402
+import steps_vs_ceiling as steps  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +100,6 @@ def test_refuses_a_partition_without_planted_clusters(run, tmp_path):
 def test_sets_each_round_beside_the_ceiling_after_as_many_steps(run):
     """benchmarks/steps_vs_ceiling.py: round t of a run is t * E * ceil(n / B) SGD steps,
     read on the ceiling's curve in its passes of ceil(N / B) steps."""
-    import math
-
-    import steps_vs_ceiling as steps
-
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     part = Partition.load(run / "partition.npz")
     e, b = cfg["train"]["local_epochs"], cfg["train"]["batch_size"]
@@ -127,8 +126,6 @@ def test_sets_each_round_beside_the_ceiling_after_as_many_steps(run):
 
 
 def test_steps_command_writes_its_tables_and_a_plot(run, tmp_path):
-    import subprocess
-
     ceiling = {"cluster_images": [100], "curve": [{"epoch": 0.5, "ours": 40.0}, {"epoch": 50.0, "ours": 90.0}]}
     (tmp_path / "c.json").write_text(json.dumps(ceiling))
     out = tmp_path / "steps.json"
