@@ -5,7 +5,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from scipy.cluster.hierarchy import linkage
+from scipy.cluster.hierarchy import fcluster, linkage
 from scipy.spatial.distance import cdist, squareform
 from sklearn.metrics import adjusted_rand_score
 
@@ -363,3 +363,65 @@ def test_without_halves_the_default_is_the_split_rule():
     points = fcr.whiten(sets)
     splits = fcr.relate(points, dataclasses.replace(fcr.PRESETS["set"], choose="splits"))
     assert fcr.relate(points, fcr.PRESETS["set"], halves=None).labels.tolist() == splits.labels.tolist()
+
+
+# -- after the cut: Lloyd's iterations on Ward's objective --------------------------------
+def ward_objective(labels, squared):
+    return sum(squared[np.ix_(labels == c, labels == c)].sum() / (2 * (labels == c).sum()) for c in np.unique(labels))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_refinement_moves_the_clients_wards_greedy_merges_misplaced(seed):
+    """Noisy clients (as CIFAR-10's): Ward's early merges put a few clients with the
+    wrong group and never revisit them; moving each to the nearest cluster mean does.
+    The cut as it is stays available (refine False), and C is the cut's."""
+    sets, truth = planted(n_clients=200, classes=3, shared=1, seed=seed, spread=2.5)
+    points = fcr.whiten(sets)
+    cut = fcr.relate(points, dataclasses.replace(fcr.PRESETS["set"], refine=False), n_clusters=5)
+    got = fcr.relate(points, fcr.PRESETS["set"], n_clusters=5)
+    assert adjusted_rand_score(cut.labels, fcluster(cut.linkage, 5, criterion="maxclust")) == 1.0
+    assert got.n_clusters == 5
+    assert adjusted_rand_score(truth, got.labels) >= adjusted_rand_score(truth, cut.labels)
+    squared = got.distance**2  # energy: A is the root of a squared distance
+    assert ward_objective(got.labels, squared) <= ward_objective(cut.labels, squared)
+    if seed == 0:  # this draw: the cut 0.95, refined 0.99
+        assert adjusted_rand_score(truth, cut.labels) < 0.96 < 0.98 < adjusted_rand_score(truth, got.labels)
+
+
+def test_refinement_recovers_groups_from_a_corrupted_assignment():
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.normal(size=(40, 4)), rng.normal(size=(40, 4)) + 6])
+    truth = np.repeat([0, 1], 40)
+    wrong = truth.copy()
+    wrong[[0, 1, 2, 50, 51]] = 1 - wrong[[0, 1, 2, 50, 51]]
+    assert fcr.refine_ward(wrong, cdist(x, x, "sqeuclidean")).tolist() == truth.tolist()
+
+
+def test_refinement_keeps_every_cluster_and_never_raises_the_objective():
+    # a cluster whose two members each sit in another group: moving both would empty it
+    x = np.concatenate([rng_points := np.random.default_rng(1).normal(size=(20, 3)), rng_points[:2] + 8])
+    x[20], x[21] = x[0] + 0.1, x[1] + 8.1
+    labels = np.array([0] * 10 + [1] * 10 + [2, 2])
+    squared = cdist(x, x, "sqeuclidean")
+    assert len(np.unique(fcr.refine_ward(labels, squared))) == 3
+    # a squared "distance" that is no Euclidean one (a Chamfer's): Lloyd's steps may not
+    # descend there, and a step that does not is not taken
+    rng = np.random.default_rng(2)
+    for _ in range(20):
+        a = rng.random((30, 30))
+        a = a + a.T
+        np.fill_diagonal(a, 0)
+        start = rng.integers(0, 3, size=30)
+        start[:3] = [0, 1, 2]
+        out = fcr.refine_ward(start, a)
+        assert len(np.unique(out)) == 3
+        assert ward_objective(out, a) <= ward_objective(start, a)
+
+
+def test_a_scenario_can_keep_the_cut_as_it_is():
+    from flt.server.strategies.params import flt_pipeline
+
+    assert flt_pipeline(parse_methods([{"name": "flt"}])[0].params).refine is True
+    assert flt_pipeline(parse_methods([{"name": "flt", "refine_clusters": False}])[0].params).refine is False
+    with pytest.raises(ConfigError, match="refine_clusters"):
+        parse_methods([{"name": "flt", "refine_clusters": "yes"}])

@@ -10,13 +10,14 @@ One-off relatedness, as FLT's FCR but:
   3. the server skips UMAP: distances between the clients' centroid sets are taken in
      PCA space, then FLT's clustering and Case I / II training.
 
-Relatedness. By default FLT's 'set' pipeline (Chamfer distance between centroid sets,
-average linkage, C by silhouette), which has no threshold, so the comparison with FLT
-isolates the encoder. With `relatedness: paper` (closest pair, A~ = [A <= gamma], Ward on
-A~): PCA distances scale with the data's variance, so a fixed gamma would mean nothing;
-with `gamma: null` (the default) gamma is the `gamma_quantile` quantile of the off-diagonal
-entries of A: each client is linked to about that fraction of the others, its nearest
-ones (0.2 = 1/C for the paper's C = 5 balanced clusters). A number for gamma is used as is.
+Relatedness. By default FLT's 'set' pipeline (energy distance between the whitened,
+share-weighted centroid sets, Ward linkage, C the finest real cut, refined), which has no
+threshold, so the comparison with FLT isolates the encoder. With `relatedness: paper`
+(closest pair, A~ = [A <= gamma], Ward on A~): PCA distances scale with the data's
+variance, so a fixed gamma would mean nothing; with `gamma: null` (the default) gamma is
+the `gamma_quantile` quantile of the off-diagonal entries of A: each client is linked to
+about that fraction of the others, its nearest ones (0.2 = 1/C for the paper's C = 5
+balanced clusters). A number for gamma is used as is.
 """
 
 from __future__ import annotations
