@@ -162,6 +162,17 @@ SUITE = [
         root=str(DATA / "cifar10-jpg"),
         public_fraction=0.1,
     ),
+    # the same with the FLT authors' layout (their code, as the paper's grid ran): 99 images
+    # a client, 33 of each class, a shared class's images the same in both clusters holding it
+    Case(
+        "cifar10-s2-m500-share-enc1",
+        "cifar10_jpg",
+        {**S2, "clients": 500, "samples_per_client": 99, "on_short": "share"},
+        ENC_PUBLIC,
+        (0, 1),
+        root=str(DATA / "cifar10-jpg"),
+        public_fraction=0.1,
+    ),
     *[
         Case(
             f"femnist-structured-c{c}",
@@ -248,6 +259,8 @@ SUITE = [
 
 # -- the server-side variants compared on the same centroids -----------------------------
 def variants():
+    """Every Ward variant refines its cut as the default does since 2026-11-29 (fcr.refine_ward),
+    except the one named 'the cut as it is'."""
     from flt.server import fcr
 
     R = fcr.Relatedness
@@ -265,10 +278,15 @@ def variants():
         "whitened, energy, ward, splits, unweighted": R(),
         "whitened, energy, ward, splits 2.0": R(min_split=2.0),
         "whitened, energy, ward, splits 2.75": R(min_split=2.75),
-        "whitened, energy, ward, splits 2.25 (the default until 2026-11-29)": R(choose="splits"),
+        "whitened, energy, ward, splits 2.25 (the split rule alone, the default until 2026-11-29 but refined)": R(
+            choose="splits"
+        ),
         "whitened, energy, ward, splits 2.25 or held-out halves 4": R(min_heldout=4.0),
         "whitened, energy, ward, splits 2.25 or held-out halves 6": R(min_heldout=6.0),
-        "set: whitened, energy, ward, splits 2.25 or held-out halves 5 (default)": fcr.PRESETS["set"],
+        "whitened, energy, ward, splits 2.25 or held-out halves 5, the cut as it is (the default before refining)": (
+            replace(fcr.PRESETS["set"], refine=False)
+        ),
+        "set: whitened, energy, ward, splits 2.25 or held-out halves 5, refined (default)": fcr.PRESETS["set"],
     }
 
 
