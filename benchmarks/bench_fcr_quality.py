@@ -260,7 +260,10 @@ SUITE = [
 # -- the server-side variants compared on the same centroids -----------------------------
 def variants():
     """Every Ward variant refines its cut as the default does since 2026-11-29 (fcr.refine_ward),
-    except the one named 'the cut as it is'."""
+    except the one named 'the cut as it is'; every variant built on Relatedness() checks its
+    cut on the held-out halves as the default does (confirming finer cuts where noise
+    dominates, vetoing unconfirmed splits elsewhere), except the split rule alone and the
+    one named 'no held-out veto'."""
     from flt.server import fcr
 
     R = fcr.Relatedness
@@ -283,10 +286,15 @@ def variants():
         ),
         "whitened, energy, ward, splits 2.25 or held-out halves 4": R(min_heldout=4.0),
         "whitened, energy, ward, splits 2.25 or held-out halves 6": R(min_heldout=6.0),
-        "whitened, energy, ward, splits 2.25 or held-out halves 5, the cut as it is (the default before refining)": (
+        "whitened, energy, ward, splits 2.25 or held-out halves 5, veto below 3, the cut as it is": (
             replace(fcr.PRESETS["set"], refine=False)
         ),
-        "set: whitened, energy, ward, splits 2.25 or held-out halves 5, refined (default)": fcr.PRESETS["set"],
+        "whitened, energy, ward, splits 2.25 or held-out halves 5, refined, no held-out veto": (
+            replace(fcr.PRESETS["set"], min_heldout_keep=float("-inf"))
+        ),
+        "set: whitened, energy, ward, splits 2.25 or held-out halves 5, veto below 3, refined (default)": fcr.PRESETS[
+            "set"
+        ],
     }
 
 

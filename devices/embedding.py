@@ -113,7 +113,7 @@ def centroids(emb: np.ndarray, k: int | Literal["auto"], seed: int, k_max: int =
 def split_halves(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Two disjoint random halves of a client's n samples (seeded): the server draws its
     clusters on summaries of the first and tests them on the second (server/fcr.py
-    heldout_clusters), so both must come from the same client's data, never shared."""
+    HeldOut), so both must come from the same client's data, never shared."""
     order = np.random.default_rng(seed).permutation(n)
     return np.sort(order[: n // 2]), np.sort(order[n // 2 :])
 

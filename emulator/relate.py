@@ -127,8 +127,8 @@ def describe(r: dict) -> str:
     sil = f", silhouette {r['silhouette']:.3f}" if r.get("silhouette") is not None else ""
     if r.get("separation") is not None:  # of the best cut, kept or not (server/fcr.py)
         sil += f", separation {r['separation']:.3f}"
-    if r.get("chosen_by") == "halves":  # C from the held-out test (server/fcr.py heldout_clusters)
-        sil += ", C confirmed on held-out halves"
+    if r.get("chosen_by") == "halves":  # C from the held-out test (server/fcr.py HeldOut)
+        sil += ", C set by the held-out halves"
     mb = sum(sum(v.values()) for v in r["bytes"].values()) / 1e6
     return (
         f"FCR ({r['method']}): {r['clusters']} clusters of sizes [{sizes}]{sil}\n"

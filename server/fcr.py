@@ -10,10 +10,12 @@ set     (the default: no threshold, no per-dataset knob)
     linkage on its root, and C = the finest cut whose every split is real
     (`split_clusters`: each merge above the cut scores `split_score` >= `min_split`,
     against the spread inside the final clusters, so nested groups do not hide a finer
-    cut), or, if finer, the finest cut that held-out data confirms (`heldout_clusters`:
-    clients also summarise two random halves of their data; the dendrogram of the first
-    halves is cut where every merge separates the second halves, `heldout_z` >=
-    `min_heldout`); neither: C = 1. The clusters are that cut, then refined by Lloyd's
+    cut), checked on held-out data (`HeldOut`: clients also summarise two random halves
+    of their data; the dendrogram of one half is cut where every merge separates the
+    other halves, `heldout_z`): where sampling noise hides the clients' differences, a
+    finer cut that it confirms (z >= `min_heldout`) wins; elsewhere it vetoes the split
+    rule's splits it does not confirm (z < `min_heldout_keep`: pieces of one group);
+    neither rule finding a split: C = 1. The clusters are that cut, then refined by Lloyd's
     iterations on Ward's own objective (`refine_ward`: each client moves to the nearest
     cluster mean until none moves; C stays). Everything is invariant to scaling the
     centroids.
@@ -291,10 +293,9 @@ def relate(
     elif how.choose in ("splits", "halves"):
         c = split_clusters(z, squared, cap, how.min_split)
         if how.choose == "halves" and halves is not None and len(halves.members) >= 4:
-            # the finer of the two tests: the held-out one confirms splits that the
-            # whole-data score cannot tell from noise when clients hold few samples each
-            held = heldout_clusters(halves, how, kind, cap, device)
-            c, chosen_by = (held, "halves") if held > c else (c, "splits")
+            # held-out halves: they confirm splits that the whole-data score cannot tell
+            # from noise when clients hold few samples each, and veto pieces of one group
+            c, chosen_by = choose_with_halves(c, HeldOut(halves, how, kind, cap, device), how)
     else:
         c = silhouette_clusters(z, adj, cap, how.min_silhouette, how.silhouette_slack)
     cut = fcluster(z, c, criterion="maxclust") - 1
@@ -439,40 +440,66 @@ def finest_cut(
     return 1
 
 
-def heldout_clusters(
-    halves: Halves, how: Relatedness, kind: str, max_clusters: int, device: torch.device | None = None
-) -> int:
-    """C chosen on one half of every client's data and tested on the other: the finest cut
-    of the dendrogram of the first halves (same distance and linkage as the whole data's)
-    whose every merge above it separates the same clients' second halves, `heldout_z`
-    >= how.min_heldout; 1 when none does. The second halves played no part in drawing the
-    split, so a split of one homogeneous group scores like noise (about 0) however the
-    dendrogram chose it, while a real one grows with the number of clients on each side.
+class HeldOut:
+    """The held-out test of cuts: the dendrogram of one half of every client's data, cut
+    where every merge above the cut separates the same clients' other halves, `heldout_z`
+    >= a threshold. The other halves played no part in drawing the split, so a split of one
+    homogeneous group scores like noise (about 0) however the dendrogram chose it, while a
+    real one grows with the number of clients on each side. Both ways round (drawn on the
+    first halves and tested on the second, and the reverse): a half is noisier than the
+    whole, and one draw of its dendrogram can put a group's clients on the wrong side.
 
-    Only where sampling noise hides the clients' differences (`noise_dominates`): there
-    the whole-data split score cannot see groups, and the clients of one group differ by
-    noise alone. Where clients differ by more than noise (FEMNIST's writers), that score
-    already judges whether the differences form groups or a continuum, and a held-out
-    test would confirm any split of a continuum."""
-    n = len(halves.a)
-    classes = None if halves.a_classes is None else halves.a_classes + (halves.b_classes or [])
-    both = set_distance(
-        halves.a + halves.b, kind, device=device, classes=classes, weights=halves.a_weights + halves.b_weights
-    )
-    both = _squared(both, kind)
-    da, db, cross = both[:n, :n], both[n:, n:], both[:n, n:]
-    if not noise_dominates(cross):
-        return 1
-    z = linkage(squareform(np.sqrt(da), checks=False), method="ward" if how.linkage == "ward_graph" else how.linkage)
+    `noise_dominates`: whether sampling noise hides the clients' differences. There the
+    whole-data split score cannot see groups, and the held-out test may confirm a finer
+    cut. Where clients differ by more than noise, the held-out test confirms any split of
+    a continuum of clients too (FEMNIST's writers), so it can only veto: a split the split
+    rule keeps that the held-out halves do not confirm is a split of one group."""
 
-    scores: dict[int, float] = {}  # merge node -> z: a merge recurs in every coarser cut
+    def __init__(
+        self, halves: Halves, how: Relatedness, kind: str, max_clusters: int, device: torch.device | None = None
+    ):
+        n = len(halves.a)
+        classes = None if halves.a_classes is None else halves.a_classes + (halves.b_classes or [])
+        both = set_distance(
+            halves.a + halves.b, kind, device=device, classes=classes, weights=halves.a_weights + halves.b_weights
+        )
+        both = _squared(both, kind)
+        da, db = both[:n, :n], both[n:, n:]
+        self.noise_dominates = noise_dominates(both[:n, n:])
+        method = "ward" if how.linkage == "ward_graph" else how.linkage
+        # (the dendrogram of one half, the other half's squared distances), both ways round
+        self._trees = [
+            (linkage(squareform(np.sqrt(d), checks=False), method=method), other) for d, other in ((da, db), (db, da))
+        ]
+        self._n, self._cap = n, max_clusters
+        # per tree, merge node -> z: a merge recurs in every coarser cut
+        self._scores: list[dict[int, float]] = [{}, {}]
 
-    def confirmed(node: int, left: np.ndarray, right: np.ndarray, _final: np.ndarray) -> bool:
-        if node not in scores:
-            scores[node] = heldout_z(db, left, right)
-        return scores[node] >= how.min_heldout
+    def clusters(self, min_z: float) -> int:
+        """The finer of the two trees' finest cuts whose every merge has z >= min_z (1: none)."""
+        return max(self._finest(t, min_z) for t in range(len(self._trees)))
 
-    return finest_cut(z, n, max_clusters, confirmed)
+    def _finest(self, t: int, min_z: float) -> int:
+        z, other = self._trees[t]
+        scores = self._scores[t]
+
+        def confirmed(node: int, left: np.ndarray, right: np.ndarray, _final: np.ndarray) -> bool:
+            if node not in scores:
+                scores[node] = heldout_z(other, left, right)
+            return scores[node] >= min_z
+
+        return finest_cut(z, self._n, self._cap, confirmed)
+
+
+def choose_with_halves(c_splits: int, held: HeldOut, how: Relatedness) -> tuple[int, str]:
+    """C under choose 'halves', from the split rule's C and the held-out test (HeldOut):
+    where noise hides the clients' differences, the finer of the two; elsewhere the split
+    rule's, unless the held-out halves confirm fewer of its splits (`min_heldout_keep`)."""
+    if held.noise_dominates:
+        finer = held.clusters(how.min_heldout)
+        return (finer, "halves") if finer > c_splits else (c_splits, "splits")
+    kept = held.clusters(how.min_heldout_keep)
+    return (kept, "halves") if kept < c_splits else (c_splits, "splits")
 
 
 def noise_dominates(cross: np.ndarray) -> bool:

@@ -358,6 +358,61 @@ def test_a_continuum_of_clients_is_not_split_by_held_out_data():
     assert fcr.relate(fcr.whiten(draw(0.2)), fcr.PRESETS["set"], halves=held).n_clusters == 1
 
 
+def elongated_groups(seed, groups=3, per=40, k=3, dim=8, long=1.5):
+    """Groups far apart whose clients' summaries vary by sampling noise alone, mostly along
+    one direction (as a client's centroids shift with how many of its samples fall on
+    each side of a class boundary). The split score judges a split against the spread
+    inside the final clusters, and a piece of such a group is thin along that direction,
+    so the pieces of each group pass it."""
+    rng = np.random.default_rng(seed)
+    centres = [rng.normal(size=(k, dim)) * 6 for _ in range(groups)]
+    scale = np.full(dim, 0.3)
+    scale[0] = long
+    truth = np.repeat(np.arange(groups), per)
+
+    def draw(factor):  # one shift of the whole set per client and draw, a little jitter per centroid
+        shift = factor * rng.normal(size=(len(truth), 1, dim)) * scale
+        return [centres[g] + shift[i] + 0.1 * rng.normal(size=(k, dim)) for i, g in enumerate(truth)]
+
+    m = len(truth)
+    halves = fcr.whiten(draw(2**0.5) + draw(2**0.5))
+    shares = [np.full(k, 1 / k)] * m
+    return fcr.whiten(draw(1.0)), fcr.Halves(np.arange(m), halves[:m], halves[m:], shares, shares), truth
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_held_out_halves_veto_pieces_of_one_group(seed):
+    """Where clients differ by more than noise (here: between groups), the split rule's
+    splits of a group into pieces are noise on held-out data, and the default drops them."""
+    whole, halves, truth = elongated_groups(seed)
+    splits = fcr.relate(whole, dataclasses.replace(fcr.PRESETS["set"], choose="splits"))
+    no_veto = dataclasses.replace(fcr.PRESETS["set"], min_heldout_keep=float("-inf"))
+    got = fcr.relate(whole, fcr.PRESETS["set"], halves=halves)
+    assert not fcr.HeldOut(halves, fcr.PRESETS["set"], "energy", 20).noise_dominates
+    assert splits.n_clusters > 3  # the split rule alone cuts the groups into pieces
+    assert fcr.relate(whole, no_veto, halves=halves).n_clusters == splits.n_clusters
+    assert got.n_clusters == 3 and got.chosen_by == "halves"
+    assert adjusted_rand_score(truth, got.labels) == 1.0
+
+
+def test_the_held_out_test_does_not_depend_on_which_half_comes_first():
+    _, halves, _ = small_clients(gap=0.8, seed=0, per=300)
+    swapped = fcr.Halves(halves.members, halves.b, halves.a, halves.b_weights, halves.a_weights)
+    how = fcr.PRESETS["set"]
+    for min_z in (how.min_heldout, how.min_heldout_keep):
+        one, other = fcr.HeldOut(halves, how, "energy", 20), fcr.HeldOut(swapped, how, "energy", 20)
+        assert one.clusters(min_z) == other.clusters(min_z) > 1
+
+
+def test_the_veto_threshold_is_a_scenario_field():
+    from flt.server.strategies.params import flt_pipeline
+
+    [entry] = parse_methods([{"name": "flt", "min_heldout_keep": 4.5}])
+    assert flt_pipeline(entry.params).min_heldout_keep == 4.5
+    with pytest.raises(ConfigError, match="min_heldout_keep"):
+        parse_methods([{"name": "flt", "min_heldout_keep": -1}])
+
+
 def test_without_halves_the_default_is_the_split_rule():
     sets, _ = nested()
     points = fcr.whiten(sets)
