@@ -293,9 +293,7 @@ def relate(
     elif how.choose in ("splits", "halves"):
         c = split_clusters(z, squared, cap, how.min_split)
         if how.choose == "halves" and halves is not None and len(halves.members) >= 4:
-            # held-out halves: they confirm splits that the whole-data score cannot tell
-            # from noise when clients hold few samples each, and veto pieces of one group
-            c, chosen_by = choose_with_halves(c, HeldOut(halves, how, kind, cap, device), how)
+            c, chosen_by = choose_with_halves(c, HeldOut(halves, kind, m, device), z, squared, how, cap)
     else:
         c = silhouette_clusters(z, adj, cap, how.min_silhouette, how.silhouette_slack)
     cut = fcluster(z, c, criterion="maxclust") - 1
@@ -404,17 +402,30 @@ def fold_singletons(labels: np.ndarray, adj: np.ndarray) -> np.ndarray:
     return np.unique(out, return_inverse=True)[1]
 
 
-def split_clusters(z: np.ndarray, adj: np.ndarray, max_clusters: int, min_split: float, min_size: int = 2) -> int:
+def split_clusters(
+    z: np.ndarray,
+    adj: np.ndarray,
+    max_clusters: int,
+    min_split: float,
+    min_size: int = 2,
+    held: Callable[[np.ndarray, np.ndarray], bool] | None = None,
+) -> int:
     """The finest cut of the dendrogram whose every split is real: the largest C in
     2..max_clusters (1 when there is none) whose clusters all have `min_size` clients and
     whose C - 1 merges above them each score `split_score` >= `min_split`. A cut finer
     than the truth holds a merge of two pieces of one group, which scores like noise;
     nested groups (two vehicle classes apart from three animal ones) do not hide a finer
     cut, because each merge is judged against the spread inside the final clusters, not
-    inside the merged halves."""
+    inside the merged halves. `held(left, right)`: a further test every split must pass
+    (HeldOut.separates); a merge recurs in every coarser cut, so its verdict is kept."""
+    verdicts: dict[int, bool] = {}
 
-    def real(_node: int, left: np.ndarray, right: np.ndarray, final: np.ndarray) -> bool:
-        return split_score(adj, left, right, final) >= min_split
+    def real(node: int, left: np.ndarray, right: np.ndarray, final: np.ndarray) -> bool:
+        if split_score(adj, left, right, final) < min_split:
+            return False
+        if held is not None and node not in verdicts:
+            verdicts[node] = held(left, right)
+        return held is None or verdicts[node]
 
     return finest_cut(z, len(adj), max_clusters, real, min_size)
 
@@ -441,64 +452,80 @@ def finest_cut(
 
 
 class HeldOut:
-    """The held-out test of cuts: the dendrogram of one half of every client's data, cut
-    where every merge above the cut separates the same clients' other halves, `heldout_z`
-    >= a threshold. The other halves played no part in drawing the split, so a split of one
-    homogeneous group scores like noise (about 0) however the dendrogram chose it, while a
-    real one grows with the number of clients on each side. Both ways round (drawn on the
-    first halves and tested on the second, and the reverse): a half is noisier than the
-    whole, and one draw of its dendrogram can put a group's clients on the wrong side.
+    """Tests of splits on the clients' held-out halves (`heldout_z`: how far apart two groups
+    of clients are on halves of their data, against random relabellings of them).
 
     `noise_dominates`: whether sampling noise hides the clients' differences. There the
-    whole-data split score cannot see groups, and the held-out test may confirm a finer
-    cut. Where clients differ by more than noise, the held-out test confirms any split of
-    a continuum of clients too (FEMNIST's writers), so it can only veto: a split the split
-    rule keeps that the held-out halves do not confirm is a split of one group."""
+    whole-data split score cannot see groups, and `clusters` may confirm a finer cut: the
+    dendrogram of one half of every client's data, cut where every merge above the cut
+    separates the same clients' other halves. The other halves played no part in drawing
+    the split, so a split of one homogeneous group scores like noise (about 0) however the
+    dendrogram chose it, while a real one grows with the number of clients on each side.
+    Both ways round (drawn on the first halves and tested on the second, and the reverse):
+    a half is noisier than the whole, and one draw of its dendrogram can put a group's
+    clients on the wrong side.
 
-    def __init__(
-        self, halves: Halves, how: Relatedness, kind: str, max_clusters: int, device: torch.device | None = None
-    ):
+    Where clients differ by more than noise, a held-out test confirms any split of a
+    continuum of clients too (FEMNIST's writers), so it can only veto: `separates` tests a
+    split of the whole-data dendrogram on each half. That split was drawn on data that
+    includes the half, so a noise split scores somewhat above 0 (at most 2.5 on the
+    quality suite; real splits 7.9 and more): the veto errs towards keeping a split."""
+
+    def __init__(self, halves: Halves, kind: str, n_clients: int, device: torch.device | None = None):
         n = len(halves.a)
         classes = None if halves.a_classes is None else halves.a_classes + (halves.b_classes or [])
         both = set_distance(
             halves.a + halves.b, kind, device=device, classes=classes, weights=halves.a_weights + halves.b_weights
         )
         both = _squared(both, kind)
-        da, db = both[:n, :n], both[n:, n:]
+        self._halves = (both[:n, :n], both[n:, n:])
         self.noise_dominates = noise_dominates(both[:n, n:])
+        self._row = np.full(n_clients, -1, np.int64)  # client -> its row in the halves (-1: sent none)
+        self._row[halves.members] = np.arange(n)
+
+    def clusters(self, min_z: float, how: Relatedness, max_clusters: int) -> int:
+        """The finer of the two halves' dendrograms' finest cuts whose every merge separates
+        the other halves by z >= min_z (1: none)."""
         method = "ward" if how.linkage == "ward_graph" else how.linkage
-        # (the dendrogram of one half, the other half's squared distances), both ways round
-        self._trees = [
-            (linkage(squareform(np.sqrt(d), checks=False), method=method), other) for d, other in ((da, db), (db, da))
-        ]
-        self._n, self._cap = n, max_clusters
-        # per tree, merge node -> z: a merge recurs in every coarser cut
-        self._scores: list[dict[int, float]] = [{}, {}]
+        found = 1
+        for drawn, tested in (self._halves, self._halves[::-1]):
+            z = linkage(squareform(np.sqrt(drawn), checks=False), method=method)
 
-    def clusters(self, min_z: float) -> int:
-        """The finer of the two trees' finest cuts whose every merge has z >= min_z (1: none)."""
-        return max(self._finest(t, min_z) for t in range(len(self._trees)))
+            def confirmed(_node: int, left: np.ndarray, right: np.ndarray, _final: np.ndarray, t=tested) -> bool:
+                return heldout_z(t, left, right) >= min_z
 
-    def _finest(self, t: int, min_z: float) -> int:
-        z, other = self._trees[t]
-        scores = self._scores[t]
+            found = max(found, finest_cut(z, len(drawn), max_clusters, confirmed))
+        return found
 
-        def confirmed(node: int, left: np.ndarray, right: np.ndarray, _final: np.ndarray) -> bool:
-            if node not in scores:
-                scores[node] = heldout_z(other, left, right)
-            return scores[node] >= min_z
-
-        return finest_cut(z, self._n, self._cap, confirmed)
+    def separates(self, left: np.ndarray, right: np.ndarray, min_z: float) -> bool:
+        """Whether two groups of clients (whole-data indices) are min_z apart on each half;
+        a side none of whose clients sent halves cannot be tested, and passes."""
+        left, right = self._row[left], self._row[right]
+        left, right = left[left >= 0], right[right >= 0]
+        if not len(left) or not len(right):
+            return True
+        return all(heldout_z(half, left, right) >= min_z for half in self._halves)
 
 
-def choose_with_halves(c_splits: int, held: HeldOut, how: Relatedness) -> tuple[int, str]:
-    """C under choose 'halves', from the split rule's C and the held-out test (HeldOut):
-    where noise hides the clients' differences, the finer of the two; elsewhere the split
-    rule's, unless the held-out halves confirm fewer of its splits (`min_heldout_keep`)."""
+def choose_with_halves(
+    c_splits: int, held: HeldOut, z: np.ndarray, squared: np.ndarray, how: Relatedness, cap: int
+) -> tuple[int, str]:
+    """C under choose 'halves', from the split rule's C and the held-out halves (HeldOut):
+    where noise hides the clients' differences, the finer of the split rule's cut and the
+    one the halves confirm (`min_heldout`); elsewhere the finest cut whose every split both
+    passes the split rule and separates the held-out halves (`min_heldout_keep`): the
+    split score judges a split against the spread inside the final clusters, so pieces of
+    one group that vary along one direction can pass it on their own thinness."""
     if held.noise_dominates:
-        finer = held.clusters(how.min_heldout)
+        finer = held.clusters(how.min_heldout, how, cap)
         return (finer, "halves") if finer > c_splits else (c_splits, "splits")
-    kept = held.clusters(how.min_heldout_keep)
+    if c_splits == 1:
+        return 1, "splits"
+
+    def separates(left: np.ndarray, right: np.ndarray) -> bool:
+        return held.separates(left, right, how.min_heldout_keep)
+
+    kept = split_clusters(z, squared, cap, how.min_split, held=separates)
     return (kept, "halves") if kept < c_splits else (c_splits, "splits")
 
 

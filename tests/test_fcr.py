@@ -388,7 +388,7 @@ def test_held_out_halves_veto_pieces_of_one_group(seed):
     splits = fcr.relate(whole, dataclasses.replace(fcr.PRESETS["set"], choose="splits"))
     no_veto = dataclasses.replace(fcr.PRESETS["set"], min_heldout_keep=float("-inf"))
     got = fcr.relate(whole, fcr.PRESETS["set"], halves=halves)
-    assert not fcr.HeldOut(halves, fcr.PRESETS["set"], "energy", 20).noise_dominates
+    assert not fcr.HeldOut(halves, "energy", len(whole)).noise_dominates
     assert splits.n_clusters > 3  # the split rule alone cuts the groups into pieces
     assert fcr.relate(whole, no_veto, halves=halves).n_clusters == splits.n_clusters
     assert got.n_clusters == 3 and got.chosen_by == "halves"
@@ -396,12 +396,27 @@ def test_held_out_halves_veto_pieces_of_one_group(seed):
 
 
 def test_the_held_out_test_does_not_depend_on_which_half_comes_first():
-    _, halves, _ = small_clients(gap=0.8, seed=0, per=300)
+    whole, halves, truth = small_clients(gap=0.8, seed=0, per=300)
     swapped = fcr.Halves(halves.members, halves.b, halves.a, halves.b_weights, halves.a_weights)
     how = fcr.PRESETS["set"]
-    for min_z in (how.min_heldout, how.min_heldout_keep):
-        one, other = fcr.HeldOut(halves, how, "energy", 20), fcr.HeldOut(swapped, how, "energy", 20)
-        assert one.clusters(min_z) == other.clusters(min_z) > 1
+    one, other = fcr.HeldOut(halves, "energy", len(whole)), fcr.HeldOut(swapped, "energy", len(whole))
+    assert one.clusters(how.min_heldout, how, 20) == other.clusters(how.min_heldout, how, 20) > 1
+    groups = [np.flatnonzero(truth == g) for g in range(2)]
+    assert one.separates(*groups, how.min_heldout_keep) and other.separates(*groups, how.min_heldout_keep)
+
+
+def test_the_veto_tests_whole_data_splits_on_each_half():
+    """Two sides of one group are not separated on held-out halves; two groups are; a side
+    whose clients sent no halves cannot be tested and passes."""
+    whole, halves, truth = elongated_groups(0)
+    held = fcr.HeldOut(halves, "energy", len(whole))
+    one_group = np.flatnonzero(truth == 0)
+    assert not held.separates(one_group[::2], one_group[1::2], 3.0)
+    assert held.separates(one_group, np.flatnonzero(truth == 1), 3.0)
+    partial = fcr.Halves(
+        halves.members[40:], halves.a[40:], halves.b[40:], halves.a_weights[40:], halves.b_weights[40:]
+    )
+    assert fcr.HeldOut(partial, "energy", len(whole)).separates(one_group, np.flatnonzero(truth == 1), 1e9)
 
 
 def test_the_veto_threshold_is_a_scenario_field():

@@ -40,12 +40,13 @@ class Relatedness:
     # the weakest real merge seen 4.4 (CIFAR-10 S2, M = 100, which the split rule finds).
     min_heldout: float = 5.0
     # halves, where clients differ by more than sampling noise: each split the split rule
-    # keeps must also separate the held-out halves by this many standard deviations. The
-    # split score judges a split against the spread inside the final clusters, so a cut
-    # that splits groups into pieces can pass it on its own pieces (MNIST S1: 10 clusters
-    # for 5). Measured on the FCR quality suite (benchmarks/README.md): 2.5 and below keep
-    # such pieces in two cases, 4 and above drop a real group of structured FEMNIST;
-    # 3.0 to 3.5 gave the best worst case and mean ARI.
+    # keeps must also separate the clients' held-out halves by this many standard
+    # deviations, on each half. The split score judges a split against the spread inside
+    # the final clusters, so pieces of one group that vary along one direction pass it on
+    # their own thinness (MNIST S1: 10 clusters for 5). Measured on the FCR quality suite
+    # (benchmarks/README.md): such pieces score at most 2.5, real splits from about 5.5
+    # (digits: 4 clients a side); 2 to 5 gave the same clusters in every case, 6 and above
+    # merge the digits groups.
     min_heldout_keep: float = 3.0
     # splits: every split of the chosen cut scores at least this (server/fcr.py
     # split_score). Measured on the FCR quality suite (benchmarks/README.md): the best cut
