@@ -13,12 +13,12 @@ set     (the default: no threshold, no per-dataset knob)
     cut), checked on held-out data (`HeldOut`: clients also summarise two random halves
     of their data; the dendrogram of one half is cut where every merge separates the
     other halves, `heldout_z`): where sampling noise hides the clients' differences, a
-    finer cut that it confirms (z >= `min_heldout`) wins; elsewhere it vetoes the split
-    rule's splits it does not confirm (z < `min_heldout_keep`: pieces of one group);
-    neither rule finding a split: C = 1. The clusters are that cut, then refined by Lloyd's
-    iterations on Ward's own objective (`refine_ward`: each client moves to the nearest
-    cluster mean until none moves; C stays). Everything is invariant to scaling the
-    centroids.
+    finer cut that it confirms (z >= `min_heldout`) wins; elsewhere every split of the
+    cut must also separate the clients' halves (z >= `min_heldout_keep`: pieces of one
+    group do not); neither rule finding a split: C = 1. The clusters are that cut, then
+    refined by Lloyd's iterations on Ward's own objective (`refine_ward`: each client
+    moves to the nearest cluster mean until none moves; C stays). Everything is
+    invariant to scaling the centroids.
 chamfer (the default until Dec 2026)
     A_ij = symmetric Chamfer distance between the raw centroid sets:
     (mean_r min_s d_rs + mean_s min_r d_rs) / 2; average linkage; C by the silhouette of
