@@ -487,20 +487,20 @@ class HeldOut:
         """The finer of the two halves' dendrograms' finest cuts whose every merge separates
         the other halves by z >= min_z (1: none)."""
         method = "ward" if how.linkage == "ward_graph" else how.linkage
-        found = 1
-        for drawn, tested in (self._halves, self._halves[::-1]):
-            z = linkage(squareform(np.sqrt(drawn), checks=False), method=method)
-            scores: dict[int, float] = {}  # merge node -> z: a merge recurs in every coarser cut
+        drawn_on_a = self._confirmed_cut(*self._halves, min_z, method, max_clusters)
+        return max(drawn_on_a, self._confirmed_cut(*self._halves[::-1], min_z, method, max_clusters))
 
-            def confirmed(
-                node: int, left: np.ndarray, right: np.ndarray, _final: np.ndarray, t=tested, seen=scores
-            ) -> bool:
-                if node not in seen:
-                    seen[node] = heldout_z(t, left, right)
-                return seen[node] >= min_z
+    @staticmethod
+    def _confirmed_cut(drawn: np.ndarray, tested: np.ndarray, min_z: float, method: str, max_clusters: int) -> int:
+        z = linkage(squareform(np.sqrt(drawn), checks=False), method=method)
+        scores: dict[int, float] = {}  # merge node -> z: a merge recurs in every coarser cut
 
-            found = max(found, finest_cut(z, len(drawn), max_clusters, confirmed))
-        return found
+        def confirmed(node: int, left: np.ndarray, right: np.ndarray, _final: np.ndarray) -> bool:
+            if node not in scores:
+                scores[node] = heldout_z(tested, left, right)
+            return scores[node] >= min_z
+
+        return finest_cut(z, len(drawn), max_clusters, confirmed)
 
     def separates(self, left: np.ndarray, right: np.ndarray, min_z: float) -> bool:
         """Whether two groups of clients (whole-data indices) are min_z apart on each half;
