@@ -32,11 +32,11 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 from flt.common.errors import DeviceError
 from flt.common.heap import skip_triton
+from flt.common.interrupts import deferred_interrupt
 
 # what a zygote imports before it forks any device (the CLI imports them before fork_here);
 # torch._dynamo: torch.func's vmap imports it on first use, 70 MB per process if not shared
@@ -64,26 +64,13 @@ class Lines:
             ready, _, _ = select.select([self.sock], [], [], timeout)
             if not ready:
                 return None
-            with _no_interrupt():  # Ctrl-C between recv and += would lose a report
+            with deferred_interrupt():  # Ctrl-C between recv and += would lose a report
                 chunk = self.sock.recv(65536)
                 self.buf += chunk
             if not chunk:
                 raise EOFError
         line, self.buf = self.buf.split(b"\n", 1)
         return json.loads(line)
-
-
-@contextlib.contextmanager
-def _no_interrupt():
-    """SIGINT held back (delivered on exit) where the main thread must not be interrupted."""
-    main = threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask")
-    if main:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        if main:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _exit_code(status: int) -> int:

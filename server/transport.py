@@ -22,6 +22,7 @@ import numpy as np
 import zmq
 
 from flt.common.errors import DeviceError, short
+from flt.common.interrupts import deferred_interrupt
 from flt.common.wire import MAX_HEADER_BYTES, TRAFFIC_CLASSES, Message, ProtocolError, decode, encode, frame_bytes
 from flt.server.auth import Gate, Refused
 from flt.server.routing import spread
@@ -142,11 +143,12 @@ class Transport:
         ident = self.routes.get(device)
         if ident is None:
             raise DeviceLost(f"device {device!r} never connected")
-        try:
-            self.sock.send_multipart([ident, *frames], copy=False)
-        except zmq.ZMQError as exc:
-            raise DeviceLost(f"device {device!r} is not connected ({exc})") from None
-        self.ledger.add(msg.round, msg.client, "down", msg.traffic, payload, header + len(ident))
+        with deferred_interrupt():  # whole or not at all, and billed when sent (common/interrupts.py)
+            try:
+                self.sock.send_multipart([ident, *frames], copy=False)
+            except zmq.ZMQError as exc:
+                raise DeviceLost(f"device {device!r} is not connected ({exc})") from None
+            self.ledger.add(msg.round, msg.client, "down", msg.traffic, payload, header + len(ident))
         if msg.kind in PINNING_KINDS and (msg.kind == "drift" or msg.tensors or msg.meta.get("flag")):
             self.pinned.add(msg.client)  # its data moved, or its host keeps a model or flag for it
 
@@ -177,7 +179,8 @@ class Transport:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
                 return None
-            frames = self.sock.recv_multipart(copy=False)
+            with deferred_interrupt():  # a tail left unread would pass for a message of its own
+                frames = self.sock.recv_multipart(copy=False)
             rid = frames[0].bytes
             ident = self.names.get(rid) or _peer(rid)
             try:

@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -304,3 +305,63 @@ def test_a_device_rejects_a_task_without_an_integer_batch_id():
         assert dev.rejected == 4 and not dev.pending
     finally:
         dev.sock.close(linger=0)
+
+
+def _ctrl_c_after(calls: int, real):
+    """`real` (a socket's send or recv), with a real SIGINT raised in this process after its
+    `calls`-th call: a Ctrl-C between two frames of one multipart message."""
+    count = [0]
+
+    def call(*args, **kwargs):
+        out = real(*args, **kwargs)
+        count[0] += 1
+        if count[0] == calls:
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    return call
+
+
+def test_ctrl_c_between_two_frames_sent_never_glues_one_message_onto_the_next(monkeypatch):
+    """A stopped run sends its devices `shutdown`. When Ctrl-C fell between two frames of the
+    message before it, ZeroMQ appended the shutdown to the half-sent message: the device read
+    one malformed message, never its shutdown, and was killed at the stop's deadline."""
+    server = Transport()
+    dev = _dealer(server.endpoint, "dev-a")
+    try:
+        server.wait_devices(1, timeout_s=10)
+        server.client_device[0] = "dev-a"
+        monkeypatch.setattr(server.sock, "send", _ctrl_c_after(2, server.sock.send))  # routing id, header
+        task = Message("train", 1, 0, tensors={"model": np.arange(6, dtype=np.float32)})
+        with pytest.raises(KeyboardInterrupt):
+            server.send("dev-a", task)
+        monkeypatch.undo()
+        billed = server.ledger.totals()["down"]  # the interrupted message was sent whole, and billed
+        server.send("dev-a", Message("shutdown"))
+        got = [decode(dev.recv_multipart()) for _ in range(2) if dev.poll(5000)]
+        assert [m.kind for m in got] == ["train", "shutdown"]
+        assert np.array_equal(got[0].tensors["model"], task.tensors["model"])
+        assert sum(c["messages"] for c in billed.values()) == 1
+    finally:
+        dev.close()
+        server.sock.close(linger=0)
+
+
+def test_ctrl_c_between_two_frames_read_leaves_no_tail_to_pass_for_a_message(monkeypatch):
+    server = Transport()
+    dev = _dealer(server.endpoint, "dev-a")
+    try:
+        server.wait_devices(1, timeout_s=10)
+        server.client_device[0] = "dev-a"
+        dev.send_multipart(encode(Message("update", 1, 0, tensors={"model": np.ones(3, np.float32)})))
+        monkeypatch.setattr(server.sock, "recv", _ctrl_c_after(1, server.sock.recv))  # routing id only
+        with pytest.raises(KeyboardInterrupt):
+            server.recv(timeout_s=10, kinds=("update",))
+        monkeypatch.undo()
+        dev.send_multipart(encode(Message("ready")))
+        ident, msg = server.recv(timeout_s=10)
+        assert (ident, msg.kind) == ("dev-a", "ready")
+        assert server.rejections.summary()["rejected_reasons"] == {}
+    finally:
+        dev.close()
+        server.sock.close(linger=0)
