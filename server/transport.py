@@ -37,6 +37,11 @@ class DeviceLost(RuntimeError):
 SETUP_KINDS = ("hello", "ready", "error")  # what a device sends outside a task
 PINNING_KINDS = ("drift", "state")  # what gives a client's host more than the shard the others hold
 LOG_FIRST, LOG_EVERY_S = 5, 10.0  # rejections logged one by one, then summarised
+# ZeroMQ queues about 2,000 messages for a peer (its send and receive high-water marks), then a
+# send blocks until the peer reads: a device that stops reading would hang the server. A live
+# device reads every task as it comes (it computes only once a batch is whole), so a queue
+# still full after this long means the device is stuck: it is lost, the run goes on.
+SEND_TIMEOUT_S = 30.0
 
 
 class Rejections:
@@ -104,13 +109,18 @@ class Ledger:
 
 class Transport:
     def __init__(
-        self, endpoint: str = "tcp://127.0.0.1:*", gate: Gate | None = None, max_inbound: int = MAX_HEADER_BYTES
+        self,
+        endpoint: str = "tcp://127.0.0.1:*",
+        gate: Gate | None = None,
+        max_inbound: int = MAX_HEADER_BYTES,
+        send_timeout_s: float = SEND_TIMEOUT_S,
     ):
         self.gate = gate or Gate(curve=False)  # who may connect, under which name (server/auth.py)
         self.ctx = self.gate.ctx
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone device raises, not drops
+        self.sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))  # zmq.Again: it stopped reading
         self.gate.secure(self.sock)  # CURVE must be set before bind
         self._limit_inbound(max_inbound)  # so must the size limit: the listener copies it
         self.sock.bind(endpoint)
@@ -146,6 +156,8 @@ class Transport:
         with deferred_interrupt():  # whole or not at all, and billed when sent (common/interrupts.py)
             try:
                 self.sock.send_multipart([ident, *frames], copy=False)
+            except zmq.Again:  # raised before any frame is queued: the socket stays clean
+                raise DeviceLost(f"device {device!r} stopped reading (its queue stayed full)") from None
             except zmq.ZMQError as exc:
                 raise DeviceLost(f"device {device!r} is not connected ({exc})") from None
             self.ledger.add(msg.round, msg.client, "down", msg.traffic, payload, header + len(ident))
@@ -448,6 +460,7 @@ class Transport:
 
     def close(self) -> None:
         self.drain()
+        self.sock.setsockopt(zmq.SNDTIMEO, 0)  # a device that stopped reading gets no shutdown, and no wait
         for d in self.devices:  # lost ones too: one that still listens (a late or rogue device) should go
             with contextlib.suppress(DeviceLost):
                 self.send(d, Message("shutdown"))

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from flt.common.wire import VERSION, Message, ProtocolError, decode, encode, frame_bytes
-from flt.server.transport import Transport
+from flt.server.transport import DeviceLost, Transport
 
 
 def _header(**over):
@@ -364,4 +364,47 @@ def test_ctrl_c_between_two_frames_read_leaves_no_tail_to_pass_for_a_message(mon
         assert server.rejections.summary()["rejected_reasons"] == {}
     finally:
         dev.close()
+        server.sock.close(linger=0)
+
+
+def test_a_device_that_stops_reading_is_lost_not_a_hung_server():
+    """ZeroMQ queues a bounded number of messages for a peer, then blocks the sender: a
+    device that stopped reading would hang the whole run. Its queue full for the send
+    timeout, it is lost; the socket stays clean for the others and for itself."""
+    server = Transport(send_timeout_s=2.0)
+    stuck = zmq.Context.instance().socket(zmq.DEALER)
+    stuck.setsockopt(zmq.LINGER, 0)
+    stuck.setsockopt(zmq.RCVHWM, 1)
+    stuck.setsockopt(zmq.IDENTITY, b"stuck")
+    stuck.connect(server.endpoint)
+    stuck.send_multipart(encode(Message("hello", meta={"name": "stuck"})))
+    good = _dealer(server.endpoint, "good")
+    task = Message("train", 1, 0, tensors={"model": np.arange(4, dtype=np.float32)})
+
+    def fill() -> int:
+        sent = 0
+        with pytest.raises(DeviceLost, match=r"stuck.*stopped reading"):
+            while sent < 100_000:
+                server.send("stuck", task)
+                sent += 1
+        return sent
+
+    try:
+        server.wait_devices(2, timeout_s=10)
+        sent = fill()
+        assert sent < 100_000
+        server.send("good", Message("shutdown"))
+        assert good.poll(5000) and decode(good.recv_multipart()).kind == "shutdown"
+        got = 0
+        while stuck.poll(500):  # it reads again: every message it gets is whole
+            assert decode(stuck.recv_multipart()).kind == "train"
+            got += 1
+        assert got == sent
+        fill()
+        tic = time.monotonic()
+        server.close()  # every device is sent its shutdown: no wait on the one that stopped reading
+        assert time.monotonic() - tic < 1.5
+    finally:
+        stuck.close()
+        good.close()
         server.sock.close(linger=0)
