@@ -144,7 +144,8 @@ class DeviceFleet:
 
         deadline = time.monotonic() + timeout_s
         while len(set(transport.devices) & set(self.procs)) < len(self.procs):
-            dead = [n for n, p in self.procs.items() if p.poll() is not None]
+            # one lost mid-run said hello long ago: only a device yet to connect can fail here
+            dead = [n for n, p in self.procs.items() if n not in transport.devices and p.poll() is not None]
             if dead:
                 raise DeviceError(
                     f"device process {dead[0]} exited with code "

@@ -199,9 +199,7 @@ class Dynamics:
         msgs = [m for change in changes for m in self._apply(change, live=True)]
         self.applied += changes
         last = {m.client: m for m in msgs}  # a client changed twice answers for its last change
-        for m in msgs:
-            if last[m.client] is not m:
-                self.transport.send(self.transport.client_device[m.client], m)
+        self._send([m for m in msgs if last[m.client] is not m])
         for m in last.values():
             m.meta["notice"] = 1
         t = self.transport
@@ -237,15 +235,16 @@ class Dynamics:
         return Message("drift", client=c, meta=meta, tensors=tensors)
 
     def _send(self, msgs: list[Message]) -> None:
+        """To each client's host; a host lost mid-run is skipped (its clients train no more)."""
         for m in msgs:
-            self.transport.send(self.transport.client_device[m.client], m)
+            self.transport.deliver(self.transport.client_device[m.client], m)
 
     def undo(self) -> None:
         for change in reversed(self.applied):
             self._send(self._apply(change, live=False))
         self.applied.clear()
         for name in self.newcomer_devices:
-            self.transport.send(name, Message("shutdown"))
+            self.transport.deliver(name, Message("shutdown"))
             self.fleet.retire(name)
             self.transport.forget(name)
         self.newcomer_devices.clear()

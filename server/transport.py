@@ -278,10 +278,19 @@ class Transport:
 
     def broadcast(self, msg: Message, devices: Iterable[str] | None = None) -> None:
         for d in devices or self.active_devices():
-            try:
-                self.send(d, msg)
-            except DeviceLost as exc:  # gone before its first task: the run goes on without it
-                self.lose(d, str(exc))
+            self.deliver(d, msg)
+
+    def deliver(self, device: str, msg: Message) -> bool:
+        """`send` to a device that may be gone: a lost device is skipped, and one found gone
+        now is lost; the run goes on without it. Whether the message went."""
+        if device in self.lost_devices:
+            return False
+        try:
+            self.send(device, msg)
+        except DeviceLost as exc:
+            self.lose(device, str(exc))
+            return False
+        return True
 
     def active_devices(self) -> list[str]:
         return [d for d in self.devices if d not in self.lost_devices]

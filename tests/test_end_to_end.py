@@ -117,6 +117,31 @@ def test_a_device_that_dies_mid_round_does_not_hang_the_server(tmp_path):
     assert s["timing"]["device_exit_codes"]["dev-1"] == 3
 
 
+def test_newcomers_and_drift_go_on_after_a_device_dies(tmp_path):
+    """dev-0 dies in round 5 with clients 0..9; newcomers arrive in round 10 and clients 0-2
+    (dev-0's) drift in round 18. Waiting for the newcomer's device once named the dead one
+    ("exited before connecting") and ended the run, and undoing the drift sent to it."""
+    res = flt(
+        "run",
+        str(REPO / "scenarios" / "dynamic_digits.yaml"),
+        "--set",
+        "methods=[fedavg]",
+        "--set",
+        "train.rounds=20",
+        "--set",
+        "devices.crash={0: 5}",
+        "--out",
+        str(tmp_path),
+    )
+    assert res.returncode == 0, res.stderr
+    assert "5 newcomers joined" in res.stdout and "data drift" in res.stdout
+    s = summary(tmp_path)
+    assert s["methods"]["fedavg"]["lost_clients"] == list(range(10))
+    assert s["methods"]["fedavg"]["rounds"] == 20
+    codes = s["timing"]["device_exit_codes"]
+    assert codes["dev-0"] == 3 and codes["dev-1"] == 0 and list(codes.values()).count(0) == len(codes) - 1
+
+
 def test_a_run_whose_every_device_dies_stops_with_exit_3_and_keeps_its_rounds(tmp_path):
     res = flt(
         "run",
