@@ -311,7 +311,7 @@ class Federation:
         with t.unbilled():
             for c in self._hosted():
                 model = state["models"].get(c)
-                t.send(
+                t.deliver(
                     t.client_device[c],
                     Message(
                         "state",
