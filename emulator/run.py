@@ -151,6 +151,19 @@ def record_shift(run_dir: Path, cfg: dict, partition: part.Partition, train: Dat
     report.plot_shift_examples(run_dir / "shift_examples.png", rows)
 
 
+def cap_batch(train: dict, partition: part.Partition) -> str | None:
+    """A batch larger than every client's shard is that shard: cut `batch_size` to the
+    largest shard (the same SGD: each client's one batch an epoch holds all its samples).
+    Devices pad every client's batches to the batch size, so batches of 100,000 on shards
+    of 50 cost 2,000 times the work, and emulated time billed as many samples. The same cut
+    for every client keeps a client's result independent of its cohort. Returns a note."""
+    largest = max(len(t) for t in partition.train)
+    if train["batch_size"] <= largest:
+        return None
+    asked, train["batch_size"] = train["batch_size"], largest
+    return f"train.batch_size {asked} is larger than every client's shard: batches of {largest}, the largest shard"
+
+
 def initial_weights(cfg: dict, train: Dataset) -> tuple[torch.Tensor, dict]:
     """Seeded initial model: the same starting point for every method of the run."""
     torch.manual_seed(cfg["seed"])
@@ -273,6 +286,7 @@ def run_scenario(cfg: dict, out: str | None = None, progress: Progress = print, 
     profiles = assign_profiles(cfg["population"]["profiles"], partition.n_clients, cfg["seed"])
     load_encoder_sources(cfg)
     check_device_ops(cfg)
+    batch_note = cap_batch(cfg["train"], partition)
     if not resume:
         run_dir = make_run_dir(cfg, out)
         partition.save(run_dir / "partition.npz")
@@ -281,6 +295,8 @@ def run_scenario(cfg: dict, out: str | None = None, progress: Progress = print, 
     progress(f"run folder: {run_dir}")
     for note in partition.notes:
         progress(f"partition: {note}")
+    if batch_note:
+        progress(batch_note)
     init, model_spec = initial_weights(cfg, train)
     session = Session(cfg, run_dir, init, model_spec, partition.n_clients)
     transport, fleet = session.transport, session.fleet
