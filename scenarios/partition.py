@@ -339,9 +339,12 @@ def _test_shards(y_test, train_counts, test_per_client, rng):
 
 def _check_counts(n_clients: int, n_clusters: int | None = None) -> None:
     if n_clients < 1:
-        raise PartitionError(f"n_clients must be >= 1 (got {n_clients})")
+        raise PartitionError(f"partition.clients must be >= 1 (got {n_clients})")
     if n_clusters is not None and not 1 <= n_clusters <= n_clients:
-        raise PartitionError(f"need 1 <= n_clusters <= n_clients (got {n_clusters} clusters, {n_clients} clients)")
+        raise PartitionError(
+            f"partition.clusters must be between 1 and partition.clients (got {n_clusters} clusters "
+            f"for {n_clients} clients)"
+        )
 
 
 def _check_sizes(

@@ -57,6 +57,12 @@ def s1(y_tr, y_te, seed=0, **kw):
     return partition_clusters(y_tr, y_te, **args)
 
 
+def test_more_clusters_than_clients_names_both_scenario_fields():
+    y_tr, y_te = labels()
+    with pytest.raises(PartitionError, match=r"partition\.clusters must be between 1 and partition\.clients"):
+        s1(y_tr, y_te, n_clients=3)
+
+
 # ----------------------------------------------------------------------------- layouts
 
 
