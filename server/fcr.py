@@ -42,6 +42,7 @@ in 128 dimensions took 46 s on a loaded 2-core machine, 145 s with the held-out 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -56,6 +57,8 @@ from sklearn.metrics import silhouette_score
 # the pipelines' knobs and presets are FLT's parameters: they live with them, torch-free (and
 # stay importable from here: a checkpoint written before the move names flt.server.fcr:Relatedness)
 from flt.server.strategies.params import CHOOSERS, DISTANCES, LINKAGES, PRESETS, SPACES, Relatedness  # noqa: F401
+
+log = logging.getLogger("flt.server")
 
 
 @dataclass
@@ -287,6 +290,8 @@ def relate(
     cap = max(1, min(max_clusters, m - 1))
     gap, chosen_by = None, None
     if n_clusters != "auto":
+        if int(n_clusters) > m:  # a scenario's C written for more clients than came
+            log.warning("%d clusters asked for %d clients: every client is a cluster of its own", n_clusters, m)
         c = max(1, min(int(n_clusters), m))
     elif how.choose == "gap":
         c = gap_clusters(z, cap)

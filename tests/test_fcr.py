@@ -147,6 +147,14 @@ def test_a_negligible_difference_is_no_cluster_however_clean():
     assert got.graph.all()
 
 
+def test_more_clusters_than_clients_says_so_and_gives_one_a_client(caplog):
+    sets, _ = planted(n_clients=8, n_clusters=2)
+    with caplog.at_level("WARNING", logger="flt.server"):
+        got = fcr.relate(sets, fcr.PRESETS["chamfer"], n_clusters=50)
+    assert got.n_clusters == 8 and sorted(got.labels) == list(range(8))
+    assert "50 clusters asked for 8 clients" in caplog.text
+
+
 def test_a_lone_client_joins_its_nearest_group_instead_of_training_alone():
     sets, truth = planted(n_clients=60, seed=4)
     outlier = sets[0] + 40.0  # far from every class: the dendrogram's last merge
