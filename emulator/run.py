@@ -200,6 +200,10 @@ class Dynamics:
         assign_clients(
             self.transport, self.partition, [name], self.meta, self.cfg["devices"]["start_timeout_s"], clients
         )
+        # the reset every device got when the method started: its initial weights are where a
+        # model kept on the device (Local's) begins; housekeeping, so not the method's bytes
+        with self.transport.unbilled():
+            self.transport.deliver(name, Message("reset", tensors={"init": self.ctx.init.numpy()}))
         self.newcomer_devices.append(name)
         self.progress(f"round {rnd}: {len(clients)} newcomers joined on new device process {name}")
 

@@ -142,6 +142,30 @@ def test_newcomers_and_drift_go_on_after_a_device_dies(tmp_path):
     assert codes["dev-0"] == 3 and codes["dev-1"] == 0 and list(codes.values()).count(0) == len(codes) - 1
 
 
+def test_a_newcomer_device_starts_local_models_from_the_initial_weights(tmp_path):
+    """Newcomers arrive in round 10 on a new device process. Local evaluates each client's
+    model on its device, and the new device had never been given the run's initial
+    weights (every device gets them when a method starts), so its clients' evaluation
+    failed until each one was first selected to train."""
+    res = flt(
+        "run",
+        str(REPO / "scenarios" / "dynamic_digits.yaml"),
+        "--set",
+        "methods=[local]",
+        "--set",
+        "train.rounds=12",
+        "--set",
+        "population.drift=[]",
+        "--out",
+        str(tmp_path),
+    )
+    assert res.returncode == 0, res.stderr
+    assert "5 newcomers joined" in res.stdout and "failed" not in res.stderr, res.stderr
+    rows = [json.loads(x) for x in (tmp_path / "local" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["n_eval"] for r in rows[9:]] == [25, 25, 25]  # the 5 newcomers from their first round
+    assert all(r["acc_newcomers"] is not None for r in rows[9:])
+
+
 def test_a_batch_larger_than_every_shard_is_the_shard(tmp_path):
     """Devices pad each client's batches to the batch size: batches of 100,000 on shards of
     50 took 20 s a round where 50 takes 0.05. The run cuts the batch to the largest shard,
