@@ -403,6 +403,18 @@ def test_held_out_halves_veto_pieces_of_one_group(seed):
     assert adjusted_rand_score(truth, got.labels) == 1.0
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_groups_of_two_clients_are_not_vetoed_by_a_test_too_small_to_confirm_them(seed):
+    """Two clients against two have 3 distinct relabellings: no permutation test can put
+    them 3 standard deviations out, so a veto there merged real groups (10 clients in 5
+    groups far apart: 1 or 3 clusters). The veto abstains where it has no room."""
+    whole, halves, truth = elongated_groups(seed, groups=5, per=2)
+    got = fcr.relate(whole, fcr.PRESETS["set"], halves=halves)
+    assert got.n_clusters == 5 and adjusted_rand_score(truth, got.labels) == 1.0
+    assert not fcr.can_reach(2, 3, 3.0) and not fcr.can_reach(2, 2, 3.0)
+    assert fcr.can_reach(4, 4, 3.0) and fcr.can_reach(5, 5, 3.0)  # the quality suite's pieces: 4 a side
+
+
 def test_the_held_out_test_does_not_depend_on_which_half_comes_first():
     whole, halves, truth = small_clients(gap=0.8, seed=0, per=300)
     swapped = fcr.Halves(halves.members, halves.b, halves.a, halves.b_weights, halves.a_weights)
