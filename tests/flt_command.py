@@ -58,6 +58,14 @@ def _warm_server() -> str:
     return _warm[1]
 
 
+def flt_run(
+    scenario: Path | str, out: Path | str, *overrides: str, timeout: float = 900
+) -> subprocess.CompletedProcess:
+    """`flt run SCENARIO --set O1 --set O2 ... --out OUT`, as `flt` runs it."""
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    return flt("run", str(scenario), *sets, "--out", str(out), timeout=timeout)
+
+
 def flt_popen(*args: str, **popen: object) -> subprocess.Popen:
     """`flt ARGS...` started in the background from the repository, for tests that signal,
     kill or talk to a running emulator; `popen` goes to subprocess.Popen (pipes, env, ...)."""

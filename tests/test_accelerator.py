@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_end_to_end import QUICKSTART, flt  # tests/ is on sys.path under pytest
+from flt_command import QUICKSTART, flt, flt_run  # tests/ is on sys.path under pytest
 
 from flt.devices.device import accelerator
 from flt.devices.seeds import client_generator
@@ -28,19 +28,13 @@ def test_auto_takes_the_cpu_on_a_host_without_a_gpu(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: cuda is valid here")
 def test_asking_for_cuda_without_a_gpu_fails_naming_the_device(tmp_path):
-    res = flt(
-        "run",
+    res = flt_run(
         str(QUICKSTART),
-        "--set",
-        "methods=[fedavg]",
-        "--set",
-        "train.rounds=1",
-        "--set",
-        "devices.processes=2",
-        "--set",
-        "devices.accelerator=cuda",
-        "--out",
         str(tmp_path),
+        "methods=[fedavg]",
+        "train.rounds=1",
+        "devices.processes=2",
+        "devices.accelerator=cuda",
     )
     assert res.returncode != 0
     assert "devices.accelerator is cuda" in res.stderr and "dev-0" in res.stderr

@@ -5,7 +5,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from flt_command import flt, flt_popen, free_port  # tests/ is on sys.path under pytest
+from flt_command import flt, flt_popen, flt_run, free_port  # tests/ is on sys.path under pytest
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
@@ -20,17 +20,12 @@ def summary(run_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def fedavg_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fedavg")
-    res = flt(
-        "run",
+    res = flt_run(
         str(QUICKSTART),
-        "--set",
-        "methods=[fedavg]",
-        "--set",
-        "train.rounds=8",
-        "--set",
-        "devices.processes=3",
-        "--out",
         str(out),
+        "methods=[fedavg]",
+        "train.rounds=8",
+        "devices.processes=3",
     )
     assert res.returncode == 0, res.stderr + res.stdout
     return out, res
@@ -72,17 +67,12 @@ def test_run_folder_holds_config_partition_metrics_and_plot(fedavg_run):
 
 def test_same_seed_gives_the_same_run(fedavg_run, tmp_path):
     out, _ = fedavg_run
-    res = flt(
-        "run",
+    res = flt_run(
         str(QUICKSTART),
-        "--set",
-        "methods=[fedavg]",
-        "--set",
-        "train.rounds=8",
-        "--set",
-        "devices.processes=3",
-        "--out",
         str(tmp_path),
+        "methods=[fedavg]",
+        "train.rounds=8",
+        "devices.processes=3",
     )
     assert res.returncode == 0, res.stderr
     a = [json.loads(x)["acc_mean"] for x in (out / "fedavg" / "metrics.jsonl").read_text().splitlines()]
@@ -91,19 +81,13 @@ def test_same_seed_gives_the_same_run(fedavg_run, tmp_path):
 
 
 def test_a_device_that_dies_mid_round_does_not_hang_the_server(tmp_path):
-    res = flt(
-        "run",
+    res = flt_run(
         str(QUICKSTART),
-        "--set",
-        "methods=[fedavg]",
-        "--set",
-        "train.rounds=5",
-        "--set",
-        "devices.processes=2",
-        "--set",
-        "devices.crash={1: 3}",
-        "--out",
         str(tmp_path),
+        "methods=[fedavg]",
+        "train.rounds=5",
+        "devices.processes=2",
+        "devices.crash={1: 3}",
     )
     assert res.returncode == 0, res.stderr
     s = summary(tmp_path)
@@ -121,17 +105,12 @@ def test_newcomers_and_drift_go_on_after_a_device_dies(tmp_path):
     """dev-0 dies in round 5 with clients 0..9; newcomers arrive in round 10 and clients 0-2
     (dev-0's) drift in round 18. Waiting for the newcomer's device once named the dead one
     ("exited before connecting") and ended the run, and undoing the drift sent to it."""
-    res = flt(
-        "run",
+    res = flt_run(
         str(REPO / "scenarios" / "dynamic_digits.yaml"),
-        "--set",
-        "methods=[fedavg]",
-        "--set",
-        "train.rounds=20",
-        "--set",
-        "devices.crash={0: 5}",
-        "--out",
         str(tmp_path),
+        "methods=[fedavg]",
+        "train.rounds=20",
+        "devices.crash={0: 5}",
     )
     assert res.returncode == 0, res.stderr
     assert "5 newcomers joined" in res.stdout and "data drift" in res.stdout
@@ -147,17 +126,12 @@ def test_a_newcomer_device_starts_local_models_from_the_initial_weights(tmp_path
     model on its device, and the new device had never been given the run's initial
     weights (every device gets them when a method starts), so its clients' evaluation
     failed until each one was first selected to train."""
-    res = flt(
-        "run",
+    res = flt_run(
         str(REPO / "scenarios" / "dynamic_digits.yaml"),
-        "--set",
-        "methods=[local]",
-        "--set",
-        "train.rounds=12",
-        "--set",
-        "population.drift=[]",
-        "--out",
         str(tmp_path),
+        "methods=[local]",
+        "train.rounds=12",
+        "population.drift=[]",
     )
     assert res.returncode == 0, res.stderr
     assert "5 newcomers joined" in res.stdout and "failed" not in res.stderr, res.stderr
@@ -173,17 +147,12 @@ def test_a_batch_larger_than_every_shard_is_the_shard(tmp_path):
     runs = {}
     for batch in (100_000, 50):
         out = tmp_path / str(batch)
-        res = flt(
-            "run",
+        res = flt_run(
             str(QUICKSTART),
-            "--set",
-            "methods=[fedavg]",
-            "--set",
-            "train.rounds=3",
-            "--set",
-            f"train.batch_size={batch}",
-            "--out",
             str(out),
+            "methods=[fedavg]",
+            "train.rounds=3",
+            f"train.batch_size={batch}",
         )
         assert res.returncode == 0, res.stderr
         runs[batch] = (res.stdout, (out / "fedavg" / "metrics.jsonl").read_text().splitlines())
@@ -195,19 +164,13 @@ def test_a_batch_larger_than_every_shard_is_the_shard(tmp_path):
 
 
 def test_a_run_whose_every_device_dies_stops_with_exit_3_and_keeps_its_rounds(tmp_path):
-    res = flt(
-        "run",
+    res = flt_run(
         str(QUICKSTART),
-        "--set",
-        "methods=[fedavg, flt]",
-        "--set",
-        "train.rounds=8",
-        "--set",
-        "devices.processes=2",
-        "--set",
-        "devices.crash={0: 2, 1: 2}",
-        "--out",
         str(tmp_path),
+        "methods=[fedavg, flt]",
+        "train.rounds=8",
+        "devices.processes=2",
+        "devices.crash={0: 2, 1: 2}",
     )
     assert res.returncode == 3, res.stderr
     assert "every device is lost" in res.stderr and "dev-0" in res.stderr and "dev-1" in res.stderr
