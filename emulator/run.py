@@ -164,6 +164,12 @@ def cap_batch(train: dict, partition: part.Partition) -> str | None:
     return f"train.batch_size {asked} is larger than every client's shard: batches of {largest}, the largest shard"
 
 
+def reset_message(ctx: Context) -> Message:
+    """What a device process is told when a method starts (or when it joins one): forget
+    per-client state, and the run's initial weights, where a device-held model begins."""
+    return Message("reset", tensors={"init": ctx.init.numpy()})
+
+
 def initial_weights(cfg: dict, train: Dataset) -> tuple[torch.Tensor, dict]:
     """Seeded initial model: the same starting point for every method of the run."""
     torch.manual_seed(cfg["seed"])
@@ -203,7 +209,7 @@ class Dynamics:
         # the reset every device got when the method started: its initial weights are where a
         # model kept on the device (Local's) begins; housekeeping, so not the method's bytes
         with self.transport.unbilled():
-            self.transport.deliver(name, Message("reset", tensors={"init": self.ctx.init.numpy()}))
+            self.transport.deliver(name, reset_message(self.ctx))
         self.newcomer_devices.append(name)
         self.progress(f"round {rnd}: {len(clients)} newcomers joined on new device process {name}")
 
@@ -386,7 +392,7 @@ def run_one(
     """One method; its entry in `summary`, and summary.json, are rewritten after every round."""
     # one reset per device process: housekeeping, not the method's traffic (and billing it
     # would make the bytes depend on how many processes there are)
-    transport.broadcast(Message("reset", tensors={"init": ctx.init.numpy()}))
+    transport.broadcast(reset_message(ctx))
     transport.ledger.reset()
     method_dir = run_dir / spec["label"]
     method_dir.mkdir(parents=True, exist_ok=True)
