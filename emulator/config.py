@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,6 +22,37 @@ from flt.scenarios.datasets import DATASETS, DataError, dataset_key, load_datase
 from flt.scenarios.shift import KINDS, level_problem
 from flt.server.auth import SECURITY, security_problem
 from flt.server.strategies.params import METHODS  # torch-free: a typo answers before anything heavy loads
+
+
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's floats (YAML 1.1 reads `1e-3`, `1e9` and
+    `1.5e3` as text, so `lr: 1e-3` failed as "expected float") and no duplicate keys (the
+    last of two `train:` sections silently replaced the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {short(key)} appears twice in one mapping", key_node.start_mark
+                    )
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def read_yaml(text: str) -> object:
+    """A scenario's YAML (a file, a --set value, a saved config.yaml)."""
+    return yaml.load(text, Loader=YamlLoader)
+
 
 DATA = {
     "dataset": Field(
@@ -246,7 +278,7 @@ def load(
     if not path.is_file():
         raise ConfigError(f"{path}: scenario file not found")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = read_yaml(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid YAML: {_one_line(exc)}") from None
     if raw is None:
@@ -291,14 +323,15 @@ def apply_override(raw: dict, item: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"--set {key}: {p} is not a section")
     try:
-        node[parts[-1]] = yaml.safe_load(value)
+        node[parts[-1]] = read_yaml(value)
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {key}: value {short(value)} is not valid YAML: {_one_line(exc)}") from None
 
 
 def _one_line(exc: Exception) -> str:
-    """A YAML error's message (its problem and where) on one line."""
-    return " ".join(str(exc).split())
+    """A YAML error's message (its problem and where) on one line; the file is named
+    already, so PyYAML's name for the text it was given goes."""
+    return " ".join(str(exc).replace(' in "<unicode string>",', " at").split())
 
 
 # Fields that name files or folders, as paths of keys from the top of the scenario.
@@ -341,8 +374,9 @@ def resolve(raw: dict) -> dict:
     if cfg["devices"]["processes"] == 0 and cfg["devices"]["external"] == 0:
         raise ConfigError("devices.processes: 0 local processes and no external devices: nobody would train")
     for dev, rnd in cfg["devices"]["crash"].items():
-        if not (isinstance(dev, int) and isinstance(rnd, int) and rnd >= 1):
+        if not (isinstance(dev, int) and isinstance(rnd, int) and dev >= 0 and rnd >= 1):
             raise ConfigError(f"devices.crash: expected {{device index: round}}, got {short(dev)}: {short(rnd)}")
+    check_crash(cfg["devices"]["crash"], cfg["devices"]["processes"] or os.cpu_count() or 1)
     d = cfg["devices"]
     if problem := security_problem(d["bind"], d["security"], d["keys"], d["external"]):
         raise ConfigError(problem)
@@ -357,6 +391,7 @@ def resolve(raw: dict) -> dict:
             "(or data.download: true on a machine with internet)"
         )
     _check_distribution(cfg["population"]["profiles"])
+    _check_clock(cfg["population"])
     for i, spec in enumerate(cfg["methods"]):
         if isinstance(spec["params"].get("encoder"), dict):
             _check_encoder(spec["params"]["encoder"], cfg, f"methods[{i}]({spec['label']}).encoder")
@@ -382,6 +417,30 @@ def _check_launcher(devices: dict) -> None:
         from flt.emulator.ray_launcher import import_ray
 
         import_ray()  # not installed: stop here, naming the field and the install command
+
+
+def check_crash(crash: dict, n_proc: int) -> None:
+    """devices.crash names device processes the run starts (dev-0 .. dev-{n_proc - 1});
+    another index would crash nothing, silently."""
+    if missing := sorted(i for i in crash if i >= n_proc):
+        raise ConfigError(
+            f"devices.crash: no device {missing[0]}: this run starts {n_proc} device processes "
+            f"(dev-0..dev-{n_proc - 1}; devices.processes, at most one per client)"
+        )
+
+
+def _check_clock(pop: dict) -> None:
+    """A deadline, real-time waits and over-commitment are measured on the emulated clock,
+    which only device profiles give: without them no client is ever late, so these
+    settings would be ignored without a word."""
+    if pop["profiles"] is not None:
+        return
+    for key, unset in (("deadline_s", None), ("realtime", None), ("overcommit", 1.0)):
+        if pop[key] != unset:
+            raise ConfigError(
+                f"population.{key}: needs population.profiles (device runtimes: the emulated clock it is "
+                "measured on); without them every client answers in time"
+            )
 
 
 def _check_distribution(profiles: dict | None) -> None:

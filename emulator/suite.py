@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from flt.common.errors import FltError
 from flt.common.schema import ConfigError
 from flt.emulator import config
@@ -85,7 +83,7 @@ def state(entry: Entry) -> str:
             f"{folder}: exists but is not a run folder (no config.yaml); move it, or choose another --out"
         )
     changed = first_difference(
-        yaml.safe_load(config.dump(entry.cfg)), yaml.safe_load((folder / "config.yaml").read_text())
+        config.read_yaml(config.dump(entry.cfg)), config.read_yaml((folder / "config.yaml").read_text())
     )
     if changed:
         raise ConfigError(

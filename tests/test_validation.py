@@ -222,6 +222,50 @@ def test_profile_distributions_are_checked_by_validation(dist, words):
         assert w in str(exc.value), (w, str(exc.value))
 
 
+@pytest.mark.parametrize("override", ["population.deadline_s=5", "population.realtime=1", "population.overcommit=2"])
+def test_clock_settings_without_profiles_are_refused(override):
+    """Without device profiles there is no emulated clock: a deadline was silently ignored
+    (a 1-microsecond deadline left every client in time)."""
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{QUICKSTART}: {key}: needs population.profiles"):
+        config.load(QUICKSTART, [override])
+    phones = "population.profiles={distribution: {compute: {dist: constant, ms_per_sample: 20}}}"
+    assert config.load(QUICKSTART, [override, phones])["population"][key.split(".")[1]] == float(override[-1])
+
+
+def test_crash_names_a_device_the_run_starts():
+    """devices.crash={5: 2} with two device processes crashed nothing, silently."""
+    with pytest.raises(ConfigError, match=r"devices.crash: no device 5: this run starts 2 device processes"):
+        config.load(QUICKSTART, ["devices.crash={5: 2}", "devices.processes=2"])
+    with pytest.raises(ConfigError, match=r"devices.crash: expected \{device index: round\}, got -1"):
+        config.load(QUICKSTART, ["devices.crash={-1: 2}"])
+    assert config.load(QUICKSTART, ["devices.crash={1: 2}", "devices.processes=2"])["devices"]["crash"] == {1: 2}
+    with pytest.raises(ConfigError, match=r"no device 3: this run starts 3 device processes"):
+        config.check_crash({3: 2}, 3)  # 50 processes asked for, capped at the 3 clients
+
+
+def test_a_key_given_twice_is_refused_naming_it_and_its_line(tmp_path):
+    """The second `train:` section silently replaced the first (PyYAML keeps the last)."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(QUICKSTART.read_text() + "train: {rounds: 3}\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML: the key 'train' appears twice in one mapping.*line 3[0-9]"):
+        config.load(path, [])
+    with pytest.raises(ConfigError, match=r"--set methods: .*'name' appears twice"):
+        config.load(QUICKSTART, ["methods=[{name: flt, name: fedavg}]"])
+    merged = config.read_yaml("{a: &x {b: 1}, c: {<<: *x, b: 2}}")  # a merge may override
+    assert merged == {"a": {"b": 1}, "c": {"b": 2}}
+
+
+def test_exponent_floats_are_numbers_in_files_and_set(tmp_path):
+    """PyYAML (YAML 1.1) reads 1e-3 as text: `lr: 1e-3` was refused as "expected float"."""
+    assert config.load(QUICKSTART, ["train.lr=1e-3"])["train"]["lr"] == 1e-3
+    path = tmp_path / "s.yaml"
+    path.write_text(QUICKSTART.read_text().replace("lr: 0.05", "lr: 5E-2").replace("seed: 0", "seed: 1_0"))
+    cfg = config.load(path, [])
+    assert cfg["train"]["lr"] == 0.05 and cfg["seed"] == 10
+    assert config.read_yaml("[1e9, 1.5e3, .5e1, 1e, e5, nan, '1e-3']") == [1e9, 1500.0, 5.0, "1e", "e5", "nan", "1e-3"]
+
+
 def test_encoder_sources_are_checked_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"methods\[0\]\(flt\).encoder.dataset: 'public' needs"):
         config.load(QUICKSTART, ["partition.public_fraction=0", "methods=[flt]"])
