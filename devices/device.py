@@ -317,7 +317,10 @@ class Device:
                 )
             )
             return
-        if msg.kind in ("train", "task") and msg.round == self.crash_at_round:  # a method's own training op too
+        # a method's own training op too; from that round on, so a device none of whose
+        # clients are drawn in that round dies in the next round that gives it work
+        crash = self.crash_at_round is not None and msg.round >= self.crash_at_round
+        if msg.kind in ("train", "task") and crash:
             log.error("%s: injected crash in round %d (tasks received, no reply)", self.name, msg.round)
             os._exit(3)
         batch = self.pending.setdefault(msg.meta["batch"], [])

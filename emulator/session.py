@@ -17,6 +17,7 @@ from flt.common.determinism import deterministic_kernels
 from flt.common.errors import DeviceError, short
 from flt.common.schema import ConfigError
 from flt.common.wire import Message
+from flt.emulator.config import check_crash
 from flt.emulator.fleet import make_fleet
 from flt.reports.terminal import Progress
 from flt.scenarios import partition as part
@@ -46,6 +47,8 @@ class Session:
         self.cfg, self.external = cfg, d["external"] if external else 0
         n_proc = d["processes"]
         self.n_proc = min(os.cpu_count() or 1 if n_proc is None else n_proc, n_clients)
+        if crash:
+            check_crash(d["crash"], self.n_proc)  # the cap at one per client is known only now
         # the server's own tensor work is light; leave the cores to the device processes
         torch.set_num_threads(max(1, (os.cpu_count() or 1) - self.n_proc * d["threads"]))
         self.transport = Transport(

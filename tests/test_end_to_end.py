@@ -101,6 +101,23 @@ def test_a_device_that_dies_mid_round_does_not_hang_the_server(tmp_path):
     assert s["timing"]["device_exit_codes"]["dev-1"] == 3
 
 
+def test_a_crash_round_that_gives_the_device_no_work_crashes_it_at_its_next_task(tmp_path):
+    """Seed 0, 4 devices, 2 clients drawn a round: none of dev-1's is drawn in round 2, so
+    `crash={1: 2}` once crashed nothing at all."""
+    res = flt_run(
+        str(QUICKSTART),
+        str(tmp_path),
+        "methods=[fedavg]",
+        "train.rounds=6",
+        "train.participation=0.1",
+        "devices.processes=4",
+        "devices.crash={1: 2}",
+    )
+    assert res.returncode == 0, res.stderr
+    assert summary(tmp_path)["methods"]["fedavg"]["lost_clients"] == list(range(5, 10))
+    assert "injected crash in round 3" in (tmp_path / "logs" / "dev-1.log").read_text()
+
+
 def test_newcomers_and_drift_go_on_after_a_device_dies(tmp_path):
     """dev-0 dies in round 5 with clients 0..9; newcomers arrive in round 10 and clients 0-2
     (dev-0's) drift in round 18. Waiting for the newcomer's device once named the dead one
