@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flt.common.schema import ConfigError
 from flt.common.wire import Message, encode, frame_bytes
 from flt.emulator import processes
 from flt.emulator.config import dump, load_encoder_sources
@@ -61,6 +62,17 @@ def hold_out_public(cfg: dict, n_train: int) -> np.ndarray:
     frac = cfg["partition"]["public_fraction"]
     rng = np.random.default_rng([cfg["seed"], 0x9B])
     return np.sort(rng.choice(n_train, size=int(frac * n_train), replace=False))
+
+
+def load_public(path: Path) -> np.ndarray:
+    """A run folder's public indices (public_indices.npy); a damaged file names itself."""
+    try:
+        public = np.load(path, allow_pickle=False)
+    except (OSError, ValueError):
+        raise ConfigError(f"{path}: not a readable index file (damaged, or not written by flt)") from None
+    if public.ndim != 1 or public.dtype.kind not in "iu":
+        raise ConfigError(f"{path}: expected a 1-D array of indices, got {public.dtype} {public.shape}")
+    return public
 
 
 def build_partition(cfg: dict, train: Dataset, test: Dataset, public: np.ndarray) -> part.Partition:
@@ -286,7 +298,7 @@ def run_scenario(cfg: dict, out: str | None = None, progress: Progress = print, 
         if out is None:
             raise ValueError("run_scenario: resume=True needs out, the run folder to continue")
         run_dir = Path(out)
-        public = np.load(run_dir / "public_indices.npy")
+        public = load_public(run_dir / "public_indices.npy")
         partition = attach_shift(cfg, part.Partition.load(run_dir / "partition.npz"), train.num_classes)
     else:
         public = hold_out_public(cfg, len(train.y))

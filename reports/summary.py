@@ -11,6 +11,8 @@ from typing import Any, Protocol, overload
 
 import numpy as np
 
+from flt.common.schema import ConfigError
+
 COMMAND: list[str] | None = None  # the flt command's arguments, set by the command line
 
 
@@ -140,7 +142,10 @@ def _to_target(evals: list[dict], target: float | None):
 def finished_methods(run_dir: Path, cfg: dict) -> dict:
     """A killed run's summary.json, keeping only the methods that ran all their rounds."""
     path = run_dir / "summary.json"
-    summary = json.loads(path.read_text()) if path.exists() else {}
+    try:
+        summary = json.loads(path.read_text()) if path.exists() else {}
+    except ValueError as exc:  # written atomically, so not a torn write: a damaged file
+        raise ConfigError(f"{path}: not valid JSON ({exc}); remove it to rerun every method") from None
     done = {
         label: m for label, m in (summary.get("methods") or {}).items() if m.get("rounds") == cfg["train"]["rounds"]
     }
@@ -201,9 +206,19 @@ def _f(x, width: int) -> str:
 
 
 def read_metrics(run_dir: Path, label: str) -> list[dict]:
-    """A method's records, one per round (metrics.jsonl)."""
+    """A method's records, one per round (metrics.jsonl). A last line that does not parse
+    is a record torn by a killed run (resuming drops it too); one before it is damage."""
     path = run_dir / label / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    records = []
+    for i, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except ValueError as exc:
+            if i == len(lines):
+                break
+            raise ConfigError(f"{path}: line {i} is not valid JSON ({exc})") from None
+    return records
 
 
 def plot_convergence(run_dir: Path, summary: dict, path: Path | None = None) -> Path:

@@ -22,6 +22,7 @@ a test shard capped). Shared rules:
 from __future__ import annotations
 
 import os
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,17 +122,24 @@ class Partition:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Partition:
-        with np.load(path, allow_pickle=False) as z:
-            version = int(z["version"])
-            if version != _FORMAT_VERSION:
-                raise PartitionError(f"{path}: partition format {version}, expected {_FORMAT_VERSION}")
-            return cls(
-                train=_split(z["train_idx"], z["train_offsets"]),
-                test=_split(z["test_idx"], z["test_offsets"]),
-                cluster=z["cluster"],
-                notes=[str(n) for n in z["notes"]],
-                groups=z["groups"] if "groups" in z.files else None,
-            )
+        """A saved partition (a run folder's partition.npz); a damaged file is a
+        PartitionError naming it, not numpy's traceback."""
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                version = int(z["version"])
+                if version != _FORMAT_VERSION:
+                    raise PartitionError(f"{path}: partition format {version}, expected {_FORMAT_VERSION}")
+                return cls(
+                    train=_split(z["train_idx"], z["train_offsets"]),
+                    test=_split(z["test_idx"], z["test_offsets"]),
+                    cluster=z["cluster"],
+                    notes=[str(n) for n in z["notes"]],
+                    groups=z["groups"] if "groups" in z.files else None,
+                )
+        except PartitionError:
+            raise
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+            raise PartitionError(f"{path}: not a readable partition file (damaged, or not written by flt)") from None
 
 
 def _offsets(parts: list[np.ndarray]) -> np.ndarray:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,12 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flt_command import flt as flt_cli  # tests/ is on sys.path under pytest
+from flt_command import QUICKSTART, flt_run  # tests/ is on sys.path under pytest
+from flt_command import flt as flt_cli
 
 from flt.emulator.clock import EmulatedClock
 from flt.emulator.config import parse_methods
 from flt.emulator.population import Population, Schedule
-from flt.reports.summary import split_timing
+from flt.reports.summary import read_metrics, split_timing
 from flt.server import checkpoint
 from flt.server.checkpoint import CheckpointError
 from flt.server.federation import CheckpointPacer
@@ -293,3 +295,44 @@ def test_checkpoints_are_paced_to_a_share_of_the_run():
     pacer.save(write(0.001))
     now[0] += 0.02
     assert pacer.due()
+
+
+# -- a damaged run folder is named, not a traceback ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("finished") / "run"
+    res = flt_run(str(QUICKSTART), str(out), "methods=[fedavg]", "train.rounds=3")
+    assert res.returncode == 0, res.stderr
+    return out
+
+
+def damaged_copy(run: Path, tmp_path: Path, name: str, text: str, append: bool = False) -> Path:
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    path = copy / name
+    path.write_text((path.read_text() if append else "") + text)
+    return copy
+
+
+def test_a_torn_last_record_is_left_out_of_the_report(finished_run, tmp_path):
+    """A run killed while it wrote a record leaves half a line; `flt report` failed on it
+    with a JSONDecodeError traceback."""
+    copy = damaged_copy(finished_run, tmp_path, "fedavg/metrics.jsonl", '{"method": "fedavg", "rou', append=True)
+    assert [r["round"] for r in read_metrics(copy, "fedavg")] == [1, 2, 3]
+    res = flt_cli("report", str(copy), "--out", str(tmp_path / "report"))
+    assert res.returncode == 0, res.stderr
+    lines = (finished_run / "fedavg" / "metrics.jsonl").read_text().splitlines()
+    (copy / "fedavg" / "metrics.jsonl").write_text("\n".join([lines[0], "{garbage", lines[2]]) + "\n")
+    res = flt_cli("report", str(copy), "--out", str(tmp_path / "report2"))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "fedavg/metrics.jsonl: line 2 is not valid JSON" in res.stderr
+
+
+@pytest.mark.parametrize("name", ["partition.npz", "public_indices.npy", "summary.json"])
+def test_resume_names_a_damaged_file_of_the_run_folder(finished_run, tmp_path, name):
+    copy = damaged_copy(finished_run, tmp_path, name, "xx\n")
+    res = flt_cli("run", "--resume", str(copy))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert f"{copy / name}: not " in res.stderr
