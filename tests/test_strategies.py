@@ -591,6 +591,25 @@ def test_round_loop_and_byte_formula(tmp_path, name):
         assert history[-1]["acc_mean"] > 60.0, (name, history[-1])
 
 
+def test_fedgroup_with_more_groups_than_clients_keeps_one_group_a_client(tmp_path, caplog):
+    """groups: 5 on 3 clients stopped the whole run (exit 3, "fewer than m = 5") after the
+    methods before it; now it goes on with 3 groups and says so."""
+    from flt.server.federation import run_method
+
+    m = 3
+    truth = np.arange(m)
+    ctx = make_ctx(tmp_path, m=m, truth=truth, n_train=np.full(m, 5))
+    targets = torch.as_tensor([-3.0, 0.0, 3.0])[:, None] * torch.ones(m, P)
+    strategy = FedGroup(ctx, groups=5)
+    with caplog.at_level("WARNING"):
+        history = run_method(
+            strategy, FakeFederation(targets, ctx.n_train), Population(m, 1.0, 0), 4, 2, tmp_path / "fg", lambda s: None
+        )
+    assert len(history) == 4 and strategy.m == 3 and strategy.models.shape[0] == 3
+    assert "fedgroup: 5 groups asked for, but 3 of 3 pre-training clients answered" in caplog.text
+    assert strategy.summary()["ari"] == pytest.approx(1.0)
+
+
 # -- construction: every strategy validates its own parameters the same way -------------
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_every_strategy_fills_defaults_and_names_a_wrong_field(tmp_path, name):

@@ -8,7 +8,8 @@ each client is described by its decomposed cosine similarities
     x_i = (cos(dw_i, v_1), ..., cos(dw_i, v_m))
 (the Euclidean distance between two such rows is the paper's EDC measure). K-means++
 (m groups, seeded) clusters the rows; group g starts from the mean of its members' models
-and remembers the mean of their updates as its direction u_g.
+and remembers the mean of their updates as its direction u_g. Fewer pre-trained replies
+than m (fewer clients than groups, or devices lost) make m that number, with a warning.
 
 Rounds: each selected client trains from its group's model; each group averages its
 members' models (weighted by samples), and u_g becomes the group's latest update. With
@@ -30,6 +31,8 @@ Traffic: 2 W per pre-trained client, then 2 W per selection, as FedAvg.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 from sklearn.cluster import KMeans
@@ -48,6 +51,8 @@ from flt.server.strategies.base import (
     stack,
 )
 from flt.server.strategies.params import FEDGROUP
+
+log = logging.getLogger(__name__)
 
 
 class FedGroup(Strategy):
@@ -74,10 +79,19 @@ class FedGroup(Strategy):
         host = self.init.cpu()[None]
         ex = fed.train(0, {int(c): Task(host) for c in chosen}, purpose="pretrain")
         results = ex.results  # every reply counts: the pre-training has no deadline
-        if len(results) < self.m:
-            raise DeviceError(
-                f"fedgroup: {len(results)} of {size} pre-training clients answered, fewer than m = {self.m}"
+        if not results:
+            raise DeviceError(f"fedgroup: none of the {size} pre-training clients answered")
+        if len(results) < self.m:  # too few clients (or devices lost): one group per client answered
+            log.warning(
+                "fedgroup: %d groups asked for, but %d of %d pre-training clients answered (of %d present): %d groups",
+                self.m,
+                len(results),
+                size,
+                len(present),
+                len(results),
             )
+            self.m = len(results)
+            self.models, self.directions = self.models[: self.m], self.directions[: self.m]
         self.pretrained = len(results)
         clients = sorted(results)
         models, n = stack(results, clients)
