@@ -414,7 +414,7 @@ def split_clusters(
     max_clusters: int,
     min_split: float,
     min_size: int = 2,
-    held: Callable[[np.ndarray, np.ndarray], bool] | None = None,
+    held: Callable[[np.ndarray, np.ndarray, np.ndarray], bool] | None = None,
 ) -> int:
     """The finest cut of the dendrogram whose every split is real: the largest C in
     2..max_clusters (1 when there is none) whose clusters all have `min_size` clients and
@@ -422,16 +422,13 @@ def split_clusters(
     than the truth holds a merge of two pieces of one group, which scores like noise;
     nested groups (two vehicle classes apart from three animal ones) do not hide a finer
     cut, because each merge is judged against the spread inside the final clusters, not
-    inside the merged halves. `held(left, right)`: a further test every split must pass
-    (HeldOut.separates); a merge recurs in every coarser cut, so its verdict is kept."""
-    verdicts: dict[int, bool] = {}
+    inside the merged halves. `held(left, right, final)`: a further test every split must
+    pass (choose_with_halves)."""
 
     def real(node: int, left: np.ndarray, right: np.ndarray, final: np.ndarray) -> bool:
         if split_score(adj, left, right, final) < min_split:
             return False
-        if held is not None and node not in verdicts:
-            verdicts[node] = held(left, right)
-        return held is None or verdicts[node]
+        return held is None or held(left, right, final)
 
     return finest_cut(z, len(adj), max_clusters, real, min_size)
 
@@ -488,6 +485,7 @@ class HeldOut:
         self.noise_dominates = noise_dominates(both[:n, n:])
         self._row = np.full(n_clients, -1, np.int64)  # client -> its row in the halves (-1: sent none)
         self._row[halves.members] = np.arange(n)
+        self._verdicts: dict[tuple[bytes, bytes, float], bool] = {}
 
     def clusters(self, min_z: float, how: Relatedness, max_clusters: int) -> int:
         """The finer of the two halves' dendrograms' finest cuts whose every merge separates
@@ -510,12 +508,16 @@ class HeldOut:
 
     def separates(self, left: np.ndarray, right: np.ndarray, min_z: float) -> bool:
         """Whether two groups of clients (whole-data indices) are min_z apart on each half;
-        a side none of whose clients sent halves cannot be tested, and passes."""
+        a side none of whose clients sent halves cannot be tested, and passes. Verdicts
+        are kept: a pair of clusters recurs in every coarser cut."""
         left, right = self._row[left], self._row[right]
         left, right = left[left >= 0], right[right >= 0]
         if not len(left) or not len(right) or not can_reach(len(left), len(right), min_z):
             return True
-        return all(heldout_z(half, left, right) >= min_z for half in self._halves)
+        key = (left.tobytes(), right.tobytes(), min_z)
+        if key not in self._verdicts:
+            self._verdicts[key] = all(heldout_z(half, left, right) >= min_z for half in self._halves)
+        return self._verdicts[key]
 
 
 def can_reach(n_left: int, n_right: int, min_z: float) -> bool:
@@ -544,11 +546,32 @@ def choose_with_halves(
     if c_splits == 1:
         return 1, "splits"
 
-    def separates(left: np.ndarray, right: np.ndarray) -> bool:
-        return held.separates(left, right, how.min_heldout_keep)
+    def separates(left: np.ndarray, right: np.ndarray, final: np.ndarray) -> bool:
+        return held.separates(*nearest_clusters(squared, left, right, final), how.min_heldout_keep)
 
     kept = split_clusters(z, squared, cap, how.min_split, held=separates)
     return (kept, "halves") if kept < c_splits else (c_splits, "splits")
+
+
+def nearest_clusters(
+    squared: np.ndarray, left: np.ndarray, right: np.ndarray, final: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The members of the final cluster in `left` and the one in `right` whose means are
+    nearest (split_score's d2 between them): the pair the held-out veto tests for a merge.
+    Testing the merge's two sides as wholes put a side's own groups into the permutation
+    null (relabellings that pick another real group score as high as the split), so a
+    pair of clients against three other pairs scored 2.4 and real groups were merged; if
+    the two sides differ at all, their nearest clusters must, and pieces of one group
+    are each other's nearest."""
+    a_ids, b_ids = np.unique(final[left]), np.unique(final[right])
+    a = (final[:, None] == a_ids[None, :]).astype(squared.dtype)  # [M, clusters in left]
+    b = (final[:, None] == b_ids[None, :]).astype(squared.dtype)
+    na, nb = a.sum(0), b.sum(0)
+    s_a = np.einsum("ij,ik,kj->j", a, squared, a) / (2 * na**2)
+    s_b = np.einsum("ij,ik,kj->j", b, squared, b) / (2 * nb**2)
+    d2 = (a.T @ squared @ b) / np.outer(na, nb) - s_a[:, None] - s_b[None, :]
+    i, j = np.unravel_index(np.argmin(d2), d2.shape)
+    return np.flatnonzero(final == a_ids[i]), np.flatnonzero(final == b_ids[j])
 
 
 def noise_dominates(cross: np.ndarray) -> bool:

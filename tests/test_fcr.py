@@ -415,6 +415,25 @@ def test_groups_of_two_clients_are_not_vetoed_by_a_test_too_small_to_confirm_the
     assert fcr.can_reach(4, 4, 3.0) and fcr.can_reach(5, 5, 3.0)  # the quality suite's pieces: 4 a side
 
 
+@pytest.mark.parametrize("groups, seed", [(5, 4), (6, 0), (6, 17), (8, 5)])
+def test_a_pair_of_clients_is_not_merged_because_the_other_side_holds_several_groups(groups, seed):
+    """A merge of one pair against three other pairs (2 vs 6: 28 relabellings, room enough)
+    was tested side against side: relabellings that pick another real pair score as high
+    as the split, so it scored 2.4 and real groups were merged (1 to 3 clusters, in 8 of
+    20 seeds at each size). The veto now tests the merge's nearest pair of clusters."""
+    whole, halves, truth = elongated_groups(seed, groups=groups, per=2)
+    got = fcr.relate(whole, fcr.PRESETS["set"], halves=halves)
+    assert got.n_clusters == groups and adjusted_rand_score(truth, got.labels) == 1.0
+
+
+def test_nearest_clusters_are_the_pair_with_the_nearest_means():
+    points = np.array([[0.0], [0.2], [5.0], [5.2], [9.0], [9.2], [30.0], [30.2]])
+    squared = (points - points.T) ** 2
+    final = np.array([0, 0, 1, 1, 2, 2, 3, 3])
+    a, b = fcr.nearest_clusters(squared, np.arange(4), np.arange(4, 8), final)  # {0,1} vs {2,3}
+    assert a.tolist() == [2, 3] and b.tolist() == [4, 5]  # means 5.1 and 9.1, the closest across
+
+
 def test_the_held_out_test_does_not_depend_on_which_half_comes_first():
     whole, halves, truth = small_clients(gap=0.8, seed=0, per=300)
     swapped = fcr.Halves(halves.members, halves.b, halves.a, halves.b_weights, halves.a_weights)
