@@ -305,6 +305,19 @@ def test_flt_relate_runs_fcr_alone_over_device_processes(tmp_path):
 
 
 @pytest.mark.slow
+def test_flt_relate_finds_five_pairs_of_digits_clients_with_every_default(tmp_path):
+    """10 clients in 5 groups of two, FLT with no setting at all: the held-out veto tested
+    a pair against the three other pairs as one side and merged everything (1 cluster in
+    4 of seeds 0-4); it now tests the merge's nearest pair of clusters."""
+    res = flt(
+        "relate", str(QUICKSTART), "--out", str(tmp_path), "--no-umap",
+        "--set", "partition.clients=10", "--set", "methods=[flt]",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert "5 clusters of sizes [2, 2, 2, 2, 2]" in res.stdout and "ARI 1.000" in res.stdout
+
+
+@pytest.mark.slow
 def test_fcr_comes_out_as_artifacts_that_the_reporter_writes(tmp_path):
     s, fed = clustered_flt(tmp_path, recluster_every=4)
     (art,) = s.take_artifacts()
