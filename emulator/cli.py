@@ -108,9 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         return code
     # run, compare, relate, suite: devices are forked from a copy of this process made
     # now, before any thread exists, so that torch's pages are shared (emulator/zygote.py)
+    from flt.common.interrupts import stop_on_sigterm
     from flt.emulator.processes import fork_here
 
     fork_here()
+    stop_on_sigterm()  # after the fork: device processes keep the default
     if args.cmd == "suite":
         return _suite(args)
     return _run(args)
@@ -166,9 +168,9 @@ def _suite(args) -> int:
         code = guarded(
             lambda: codes.append(suite.run_suite([Path(p) for p in args.scenarios], args.set, Path(args.out)))
         )
-    except KeyboardInterrupt:
-        print(f"\ninterrupted: run the same command again to resume ({args.out})", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        print(f"\n{stopped(stop)}: run the same command again to resume ({args.out})", file=sys.stderr)
+        return exit_code(stop)
     return code or (codes[0] if codes else 0)
 
 
@@ -213,10 +215,10 @@ def _run(args) -> int:
         action = lambda: run_scenario(args.cfg, args.out, progress=terminal)  # noqa: E731
     try:
         return guarded(action)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         terminal.done()
-        print("interrupted: results so far are in the run folder", file=sys.stderr)
-        return 130
+        print(f"{stopped(stop)}: results so far are in the run folder", file=sys.stderr)
+        return exit_code(stop)
 
 
 def _resume(args) -> None:
@@ -237,6 +239,17 @@ def _resume(args) -> None:
             raise ConfigError(f"{run_dir}: no {name}; not a run folder that can be resumed")
     saved = config.load(str(run_dir / "config.yaml"), [], saved=True)
     run_scenario(saved, str(run_dir), resume=True, progress=active())
+
+
+def stopped(stop: KeyboardInterrupt) -> str:
+    from flt.common.interrupts import Terminated
+
+    return "terminated" if isinstance(stop, Terminated) else "interrupted"
+
+
+def exit_code(stop: KeyboardInterrupt) -> int:
+    """The shell's code for a process ended by the signal: 128 + SIGTERM or SIGINT."""
+    return 143 if stopped(stop) == "terminated" else 130
 
 
 def guarded(action: Callable[[], object]) -> int:

@@ -229,6 +229,28 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_rounds_done(tmp_path):
     assert codes == {"dev-0": 0, "dev-1": 0}  # devices were told to shut down and did
 
 
+def test_sigterm_stops_like_ctrl_c_and_keeps_the_rounds_done(tmp_path):
+    """kill (or a batch scheduler's time limit) ended the server at once: no shutdown sent
+    to the devices, no last line. Now it stops as Ctrl-C does, with the shell's code 143."""
+    import signal
+    import time
+
+    proc = flt_popen(
+        "run", str(QUICKSTART), "--set", "methods=[fedavg]", "--set", "train.rounds=100000", "--out", str(tmp_path),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    metrics = tmp_path / "fedavg" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "terminated: results so far are in the run folder" in err, err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["methods"]["fedavg"]["rounds"] == len(metrics.read_text().splitlines()) >= 3
+    assert summary["timing"]["device_exit_codes"] == {"dev-0": 0, "dev-1": 0}  # told to shut down
+
+
 def test_a_device_started_by_hand_joins_over_tcp(tmp_path):
     """The path to real edge devices: one local device process plus one started by hand
     with `flt device --connect`, as on another host. An external device means CURVE by

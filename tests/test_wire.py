@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
+from flt.common.interrupts import Terminated, stop_on_sigterm
 from flt.common.wire import VERSION, Message, ProtocolError, decode, encode, frame_bytes
 from flt.server.transport import DeviceLost, Transport
 
@@ -307,16 +308,16 @@ def test_a_device_rejects_a_task_without_an_integer_batch_id():
         dev.sock.close(linger=0)
 
 
-def _ctrl_c_after(calls: int, real):
-    """`real` (a socket's send or recv), with a real SIGINT raised in this process after its
-    `calls`-th call: a Ctrl-C between two frames of one multipart message."""
+def _ctrl_c_after(calls: int, real, sig: int = signal.SIGINT):
+    """`real` (a socket's send or recv), with a real SIGINT (or `sig`) raised in this
+    process after its `calls`-th call: a Ctrl-C between two frames of one multipart message."""
     count = [0]
 
     def call(*args, **kwargs):
         out = real(*args, **kwargs)
         count[0] += 1
         if count[0] == calls:
-            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(sig)
         return out
 
     return call
@@ -343,6 +344,30 @@ def test_ctrl_c_between_two_frames_sent_never_glues_one_message_onto_the_next(mo
         assert np.array_equal(got[0].tensors["model"], task.tensors["model"])
         assert sum(c["messages"] for c in billed.values()) == 1
     finally:
+        dev.close()
+        server.sock.close(linger=0)
+
+
+def test_sigterm_between_two_frames_is_delivered_after_the_whole_message(monkeypatch):
+    """SIGTERM (kill, a scheduler's time limit) stops a run as Ctrl-C does, so it is held
+    back the same way: the message goes whole, then Terminated (a KeyboardInterrupt)."""
+    server = Transport()
+    dev = _dealer(server.endpoint, "dev-a")
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        stop_on_sigterm()
+        server.wait_devices(1, timeout_s=10)
+        server.client_device[0] = "dev-a"
+        monkeypatch.setattr(server.sock, "send", _ctrl_c_after(2, server.sock.send, signal.SIGTERM))
+        task = Message("train", 1, 0, tensors={"model": np.arange(6, dtype=np.float32)})
+        with pytest.raises(Terminated):
+            server.send("dev-a", task)
+        monkeypatch.undo()
+        server.send("dev-a", Message("shutdown"))
+        got = [decode(dev.recv_multipart()) for _ in range(2) if dev.poll(5000)]
+        assert [m.kind for m in got] == ["train", "shutdown"]
+    finally:
+        signal.signal(signal.SIGTERM, before)
         dev.close()
         server.sock.close(linger=0)
 
