@@ -97,7 +97,15 @@ def umap_project(
     metric: str = "euclidean",
     seed: int = 0,
 ) -> list[np.ndarray]:
-    """Seeded UMAP over all clients' centroids together; returns each client's points."""
+    """Seeded UMAP over all clients' centroids together; returns each client's points.
+
+    Initialised from PCA, not UMAP's default spectral layout: when the kNN graph falls
+    apart into more than 2 x n_components pieces (planted clusters do that), the spectral
+    layout places the pieces with scikit-learn's SpectralEmbedding of a disconnected
+    affinity, whose eigenvectors differ from call to call whatever the seed, so the same
+    centroids and seed gave another projection each time. PCA initialisation is also
+    what Kobak and Linderman (Nature Biotechnology, 2021) recommend for keeping UMAP's
+    global structure."""
     import umap  # imported here: numba compilation is paid only by pipelines that use it
 
     points = np.concatenate(centroids).astype(np.float32)
@@ -109,6 +117,7 @@ def umap_project(
         metric=metric,
         random_state=seed,
         n_jobs=1,
+        init="pca",
     )
     proj = reducer.fit_transform(points)
     return np.split(proj, np.cumsum([len(c) for c in centroids])[:-1])

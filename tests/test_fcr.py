@@ -434,6 +434,17 @@ def test_nearest_clusters_are_the_pair_with_the_nearest_means():
     assert a.tolist() == [2, 3] and b.tolist() == [4, 5]  # means 5.1 and 9.1, the closest across
 
 
+@pytest.mark.slow  # numba compiles UMAP: about 14 s
+def test_umap_gives_the_same_projection_each_time_when_its_graph_falls_apart():
+    """Six groups far apart: UMAP's kNN graph has six pieces (> 2 x 2), where its default
+    spectral initialisation placed them differently on every call, whatever the seed."""
+    rng = np.random.default_rng(0)
+    centroids = [rng.normal(size=(5, 16)) + 40.0 * (c % 6) for c in range(60)]
+    first = np.concatenate(fcr.umap_project(centroids, seed=3))
+    assert all(np.array_equal(first, np.concatenate(fcr.umap_project(centroids, seed=3))) for _ in range(2))
+    assert first.shape == (300, 2)
+
+
 def test_the_held_out_test_does_not_depend_on_which_half_comes_first():
     whole, halves, truth = small_clients(gap=0.8, seed=0, per=300)
     swapped = fcr.Halves(halves.members, halves.b, halves.a, halves.b_weights, halves.a_weights)
