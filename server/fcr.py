@@ -572,13 +572,16 @@ def nearest_clusters(
     pair of clients against three other pairs scored 2.4 and real groups were merged; if
     the two sides differ at all, their nearest clusters must, and pieces of one group
     are each other's nearest."""
+    idx = np.concatenate([left, right])
+    sub, labels = squared[np.ix_(idx, idx)], final[idx]
     a_ids, b_ids = np.unique(final[left]), np.unique(final[right])
-    a = (final[:, None] == a_ids[None, :]).astype(squared.dtype)  # [M, clusters in left]
-    b = (final[:, None] == b_ids[None, :]).astype(squared.dtype)
+    a = (labels[:, None] == a_ids[None, :]).astype(sub.dtype)  # [both sides' clients, clusters in left]
+    b = (labels[:, None] == b_ids[None, :]).astype(sub.dtype)
     na, nb = a.sum(0), b.sum(0)
-    s_a = np.einsum("ij,ik,kj->j", a, squared, a) / (2 * na**2)
-    s_b = np.einsum("ij,ik,kj->j", b, squared, b) / (2 * nb**2)
-    d2 = (a.T @ squared @ b) / np.outer(na, nb) - s_a[:, None] - s_b[None, :]
+    to_b = sub @ b
+    s_a = (a * (sub @ a)).sum(0) / (2 * na**2)  # each cluster's own spread, s_S of split_score
+    s_b = (b * to_b).sum(0) / (2 * nb**2)
+    d2 = (a.T @ to_b) / np.outer(na, nb) - s_a[:, None] - s_b[None, :]
     i, j = np.unravel_index(np.argmin(d2), d2.shape)
     return np.flatnonzero(final == a_ids[i]), np.flatnonzero(final == b_ids[j])
 
