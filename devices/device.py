@@ -128,7 +128,7 @@ class Device:
         self.name = self.credentials.name or name or f"{socket.gethostname()}-{os.getpid()}"
         if name and self.credentials.name and name != self.credentials.name:
             log.warning("the server names this device by its key file: %s, not %s", self.name, name)
-        self.data_root, self.parent_pid = data_root, parent_pid
+        self.data_root, self.parent_pid, self.endpoint = data_root, parent_pid, endpoint
         torch.set_num_threads(max(1, threads))
         self.ctx: zmq.Context = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)  # no routing id of our own: the server names us
@@ -157,6 +157,7 @@ class Device:
         if self.credentials.token:  # loopback without CURVE: only we can claim our name
             hello["token"] = self.credentials.token
         self.send(Message("hello", meta=hello))
+        log.info("%s: connecting to %s (waiting for the server)", self.name, self.endpoint)
         handlers = {"assign": self.on_assign, "reset": self.on_reset, "drift": self.on_drift, "state": self.on_state}
         while True:
             if not self.sock.poll(1000):
@@ -406,6 +407,17 @@ def set_process_title(title: str) -> None:
     setproctitle.setproctitle(title)
 
 
+def prepare_process() -> None:
+    """What a device process sets before its Device: `flt device` by hand, or forked."""
+    skip_triton()  # before the first vmap imports torch._dynamo (common/heap.py)
+    limit_heap_retention()  # a device lives for the whole run: freed buffers go back to the system
+    # force: a device forked from the emulator inherits its root logger (WARNING level), which
+    # would silence this log
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s", force=True
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -422,13 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--key", help="this device's NAME.key_secret (from `flt keys`): CURVE")
     p.add_argument("--server-key", help="the server's server.key (from `flt keys`)")
     a = p.parse_args(argv)
-    skip_triton()  # before the first vmap imports torch._dynamo (common/heap.py)
-    limit_heap_retention()  # a device lives for the whole run: freed buffers go back to the system
-    # force: a device forked from the emulator inherits its root logger (WARNING level), which
-    # would silence this log
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s", force=True
-    )
+    prepare_process()
     device = Device(
         a.connect, a.name, a.data_root, a.threads, a.parent_pid, a.crash_at_round, Credentials.load(a.key, a.server_key)
     )

@@ -120,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _device(args) -> int:
     from flt.common.keys import Credentials
-    from flt.devices.device import Device
+    from flt.devices.device import Device, prepare_process
 
+    prepare_process()  # as `python -m flt.devices` does: without it, a device by hand printed nothing
     creds: list = []
     code = guarded(lambda: creds.append(Credentials.load(args.key, args.server_key)))
     return code or Device(args.connect, args.name, args.data_root, args.threads, credentials=creds[0]).run()

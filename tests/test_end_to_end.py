@@ -301,7 +301,9 @@ def test_a_device_started_by_hand_joins_over_tcp(tmp_path):
     by_hand.wait(timeout=60)
     assert by_hand.returncode == 0  # the server told it to shut down
     # a device started by hand holds only its own clients' shards (no routing to or from it)
-    assert "hosting 10 clients (shards of 10)" in by_hand.stderr.read()
+    said = by_hand.stderr.read()
+    assert "hosting 10 clients (shards of 10)" in said
+    assert f"edge-0: connecting to tcp://127.0.0.1:{port} (waiting for the server)" in said  # before anything else
     assert summary(tmp_path / "run")["security"]["mechanism"] == "curve"  # devices.security: auto
     m = summary(tmp_path / "run")["methods"]["fedavg"]
     assert m["rounds"] == 4 and m["final_accuracy"] is not None and not m["lost_clients"]
