@@ -92,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     limit_heap_retention()  # the server lives for the whole run too (common/heap.py)
     args.argv = sys.argv[1:] if argv is None else list(argv)  # recorded in each run folder
-    logging.basicConfig(
-        level=logging.WARNING if args.cmd != "device" else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")  # a device: its own
     if args.cmd == "device":
         return _device(args)
     if args.cmd == "keys":
