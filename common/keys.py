@@ -22,6 +22,7 @@ import zmq
 import zmq.auth
 
 from flt.common.errors import FltError
+from flt.common.files import make_folder
 
 SERVER = "server"  # DIR/server.key, DIR/server.key_secret
 ENV_SECRET = "FLT_DEVICE_SECRET_KEY"  # z85 secret key of a local device (CURVE)
@@ -183,7 +184,7 @@ def make_keys(directory: Path, devices: int = 0, prefix: str = "edge") -> list[s
     key pairs, numbered after those already there. Returns the new device names."""
     if devices < 0:
         raise KeyFileError(f"--devices: {devices} is negative")
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    make_folder(directory, "flt keys DIR", mode=0o700)
     if not (directory / f"{SERVER}.key_secret").exists():
         write_keypair(directory, SERVER)
     taken = {p.stem for p in directory.glob(f"{prefix}-*.key")}

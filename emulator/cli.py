@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
 from collections.abc import Callable
@@ -253,13 +254,22 @@ def exit_code(stop: KeyboardInterrupt) -> int:
 
 def guarded(action: Callable[[], object]) -> int:
     """Run a command. The project's own errors (input mistakes, devices that failed) and
-    running out of memory (the machine's fault, not a bug) print one line and exit with
-    their code; anything else is a bug and keeps its traceback."""
+    running out of memory or disk (the machine's fault, not a bug) print one line and exit
+    with their code; anything else is a bug and keeps its traceback."""
     try:
         action()
     except FltError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(
+            f"error: the disk is full (writing {exc.filename or 'a file'}); the rounds so far are in the run "
+            "folder: free space, then `flt run --resume RUN_DIR`",
+            file=sys.stderr,
+        )
+        return DeviceError.exit_code
     except Exception as exc:
         if not out_of_memory(exc):
             raise

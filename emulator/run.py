@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flt.common.files import make_folder
 from flt.common.schema import ConfigError
 from flt.common.wire import Message, encode, frame_bytes
 from flt.emulator import processes
@@ -42,7 +43,7 @@ def make_run_dir(cfg: dict, out: str | None) -> Path:
     else:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         run_dir = Path(cfg["output"]) / f"{cfg['name']}-{stamp}"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_folder(run_dir, "--out" if out else "output")
     (run_dir / "config.yaml").write_text(dump(cfg))
     (run_dir / "command.txt").write_text(report.command_line() + "\n")  # for `flt report`
     return run_dir

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from flt.common.files import make_folder
 from flt.common.schema import ConfigError
 from flt.reports import summary as report
 
@@ -430,7 +431,7 @@ def _slug(name: str) -> str:
 def build(paths: list[Path], out: Path) -> Path:
     """Write report.html, report.md and the CSV tables into `out`; return the page's path."""
     runs = [load_run(p) for p in run_folders(paths)]
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out, "--out")
     rows = [method_row(run, label) for run in runs for label in run.summary["methods"]]
     fcr = [r for run in runs for r in fcr_rows(run)]
     changes = [r for run in runs for r in change_rows(run)]

@@ -482,3 +482,39 @@ def test_running_out_of_memory_is_one_line_and_exit_3_not_a_traceback(error, cap
     assert "Process 1" not in err  # the first line only
     with pytest.raises(RuntimeError, match="a bug"):  # anything else keeps its traceback
         guarded(lambda: (_ for _ in ()).throw(RuntimeError("a bug")))
+
+
+def test_a_full_disk_is_one_line_and_exit_3_not_a_traceback(capsys):
+    import errno
+
+    from flt.emulator.cli import guarded
+
+    def action():  # what writing metrics.jsonl raises when the disk fills mid-run
+        raise OSError(errno.ENOSPC, "No space left on device", "runs/x/fedavg/metrics.jsonl")
+
+    assert guarded(action) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "disk is full" in err and "metrics.jsonl" in err and "--resume" in err
+    with pytest.raises(FileNotFoundError):  # other OS errors are not the disk's, and keep their traceback
+        guarded(lambda: Path("/nonexistent/flt/file").read_text())
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["run", str(QUICKSTART), "--set", "train.rounds=1", "--out", "{file}/run"],
+        ["relate", str(QUICKSTART), "--out", "{file}"],
+        ["run", str(QUICKSTART), "--set", "train.rounds=1", "--set", "output={file}"],
+        ["keys", "{file}/keys"],
+    ],
+    ids=["run --out", "relate --out", "output", "keys"],
+)
+def test_an_output_folder_that_cannot_be_made_names_its_option(tmp_path, command):
+    blocker = tmp_path / "a_file"  # a plain file where a folder should go
+    blocker.write_text("")
+    proc = flt(*[part_.replace("{file}", str(blocker)) for part_ in command], timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    what = {"run": "--out", "relate": "--out", "keys": "flt keys DIR"}[command[0]]
+    what = "output" if "output=" in " ".join(command) else what
+    assert f"error: {what}:" in proc.stderr and str(blocker) in proc.stderr
