@@ -12,10 +12,11 @@ set     (the default: no threshold, no per-dataset knob)
     against the spread inside the final clusters, so nested groups do not hide a finer
     cut), checked on held-out data (`HeldOut`: clients also summarise two random halves
     of their data; the dendrogram of one half is cut where every merge separates the
-    other halves, `heldout_z`): where sampling noise hides the clients' differences, a
-    finer cut that it confirms (z >= `min_heldout`) wins; elsewhere every split of the
-    cut must also separate the clients' halves (z >= `min_heldout_keep`: pieces of one
-    group do not); neither rule finding a split: C = 1. The clusters are that cut, then
+    other halves, `heldout_z`): every split of the cut must also separate the clients'
+    halves (z >= `min_heldout_keep`: pieces of one group, or a few clients of one
+    population split off by chance, do not), and where sampling noise hides the clients'
+    differences, a finer cut that the halves confirm (z >= `min_heldout`) wins; neither
+    rule finding a split: C = 1. The clusters are that cut, then
     refined by Lloyd's iterations on Ward's own objective (`refine_ward`: each client
     moves to the nearest cluster mean until none moves; C stays). Everything is
     invariant to scaling the centroids.
@@ -544,22 +545,23 @@ def choose_with_halves(
     c_splits: int, held: HeldOut, z: np.ndarray, squared: np.ndarray, how: Relatedness, cap: int
 ) -> tuple[int, str]:
     """C under choose 'halves', from the split rule's C and the held-out halves (HeldOut):
-    where noise hides the clients' differences, the finer of the split rule's cut and the
-    one the halves confirm (`min_heldout`); elsewhere the finest cut whose every split both
-    passes the split rule and separates the held-out halves (`min_heldout_keep`): the
-    split score judges a split against the spread inside the final clusters, so pieces of
-    one group that vary along one direction can pass it on their own thinness."""
-    if held.noise_dominates:
-        finer = held.clusters(how.min_heldout, how, cap)
-        return (finer, "halves") if finer > c_splits else (c_splits, "splits")
-    if c_splits == 1:
-        return 1, "splits"
+    the finest cut whose every split both passes the split rule and separates the held-out
+    halves (`min_heldout_keep`): the split score judges a split against the spread inside
+    the final clusters, so pieces of one group that vary along one direction can pass it on
+    their own thinness, and where noise dominates a few clients of one population can
+    pass it by chance (20 IID clients: 3 of 20 draws split). Where noise dominates, a
+    finer cut that the halves confirm (`min_heldout`) wins."""
 
     def separates(left: np.ndarray, right: np.ndarray, final: np.ndarray) -> bool:
         return held.separates(*nearest_clusters(squared, left, right, final), how.min_heldout_keep)
 
-    kept = split_clusters(z, squared, cap, how.min_split, held=separates)
-    return (kept, "halves") if kept < c_splits else (c_splits, "splits")
+    kept = 1 if c_splits == 1 else split_clusters(z, squared, cap, how.min_split, held=separates)
+    chosen = (kept, "halves") if kept < c_splits else (c_splits, "splits")
+    if held.noise_dominates:
+        finer = held.clusters(how.min_heldout, how, cap)
+        if finer > kept:
+            return finer, "halves"
+    return chosen
 
 
 def nearest_clusters(

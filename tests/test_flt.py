@@ -318,6 +318,18 @@ def test_flt_relate_finds_five_pairs_of_digits_clients_with_every_default(tmp_pa
 
 
 @pytest.mark.slow
+def test_flt_relate_keeps_near_iid_digits_clients_as_one_cluster(tmp_path):
+    """20 clients drawn by Dirichlet(1000), nearly IID, 50 images each: the split rule
+    alone split 3 clients off; held-out data calls it noise, and FLT is FedAvg here."""
+    res = flt(
+        "relate", str(QUICKSTART), "--out", str(tmp_path), "--no-umap",
+        "--set", "partition.kind=dirichlet", "--set", "partition.alpha=1000",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert "1 clusters of sizes [20]" in res.stdout
+
+
+@pytest.mark.slow
 def test_fcr_comes_out_as_artifacts_that_the_reporter_writes(tmp_path):
     s, fed = clustered_flt(tmp_path, recluster_every=4)
     (art,) = s.take_artifacts()
