@@ -131,8 +131,13 @@ def describe(r: dict) -> str:
         sil += ", C set by the held-out halves"
     mb = sum(sum(v.values()) for v in r["bytes"].values()) / 1e6
     return (
-        f"FCR ({r['method']}): {r['clusters']} clusters of sizes [{sizes}]{sil}\n"
+        f"FCR ({r['method']}): {clusters_of(r['clusters'], sizes)}{sil}\n"
         f"  {quality}\n"
         f"  {r['n_clients']} clients, {mb:.2f} MB on the wire (encoder + centroids), "
         f"{r['wall_s']:.1f} s in all, {r['server_seconds']:.2f} s of it clustering on the server"
     )
+
+
+def clusters_of(c: int, sizes: str) -> str:
+    """'5 clusters of sizes [4, 4, ...]', or '1 cluster of size [20]'."""
+    return f"{c} clusters of sizes [{sizes}]" if c != 1 else f"1 cluster of size [{sizes}]"

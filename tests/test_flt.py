@@ -326,7 +326,7 @@ def test_flt_relate_keeps_near_iid_digits_clients_as_one_cluster(tmp_path):
         "--set", "partition.kind=dirichlet", "--set", "partition.alpha=1000",
     )  # fmt: skip
     assert res.returncode == 0, res.stderr + res.stdout
-    assert "1 clusters of sizes [20]" in res.stdout
+    assert "1 cluster of size [20]" in res.stdout
 
 
 @pytest.mark.slow
