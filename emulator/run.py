@@ -287,6 +287,20 @@ class Dynamics:
         self.method += 1
 
 
+def carry_over(fed: Federation, previous: Path, progress: Progress) -> None:
+    """A method that starts afresh on resume continues the run's batch ids and lost devices
+    from the method before it. Without that method's checkpoint (its folder deleted to run
+    it again, or damaged) it starts as in a fresh run: only message ids and devices lost
+    earlier differ, so it says so and goes on."""
+    try:
+        fed.carry_over(checkpoint.load(previous)["federation"])
+    except checkpoint.DamagedCheckpoint as exc:
+        progress(
+            f"resume: cannot read {previous} ({exc.reason}); the next method starts without the batch ids "
+            "and lost devices of the one before it"
+        )
+
+
 def run_scenario(cfg: dict, out: str | None = None, progress: Progress = print, resume: bool = False) -> Path:
     """Run `cfg` into a new run folder, or (`resume`) continue the killed run in folder
     `out`: finished methods are kept, the interrupted one continues after its last
@@ -346,7 +360,7 @@ def run_scenario(cfg: dict, out: str | None = None, progress: Progress = print, 
             population = make_population(cfg, ctx, schedule, profiles, dynamics)
             again = resume and (run_dir / spec["label"] / CHECKPOINT).exists()
             if resume and not again and i > 0:  # starts afresh after a method finished before
-                fed.carry_over(checkpoint.load(run_dir / cfg["methods"][i - 1]["label"] / CHECKPOINT)["federation"])
+                carry_over(fed, run_dir / cfg["methods"][i - 1]["label"] / CHECKPOINT, progress)
             try:
                 run_one(spec, ctx, fed, transport, population, cfg, run_dir, progress, summary, again)
             finally:

@@ -140,14 +140,17 @@ def _to_target(evals: list[dict], target: float | None):
 
 
 def finished_methods(run_dir: Path, cfg: dict) -> dict:
-    """A killed run's summary.json, keeping only the methods that ran all their rounds."""
+    """A killed run's summary.json, keeping only the methods that ran all their rounds and
+    whose folder is still there (a user deletes a method's folder to run it again)."""
     path = run_dir / "summary.json"
     try:
         summary = json.loads(path.read_text()) if path.exists() else {}
     except ValueError as exc:  # written atomically, so not a torn write: a damaged file
         raise ConfigError(f"{path}: not valid JSON ({exc}); remove it to rerun every method") from None
     done = {
-        label: m for label, m in (summary.get("methods") or {}).items() if m.get("rounds") == cfg["train"]["rounds"]
+        label: m
+        for label, m in (summary.get("methods") or {}).items()
+        if m.get("rounds") == cfg["train"]["rounds"] and (run_dir / label / "metrics.jsonl").is_file()
     }
     return {"scenario": cfg["name"], "methods": done, "partition_notes": summary.get("partition_notes", [])}
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import importlib
 import json
+import zipfile
 from pathlib import Path, PurePath
 from typing import Any
 
 import numpy as np
 import torch
 
+from flt.common.errors import FltError, short
 from flt.common.files import save_npz_atomic
 
 PROJECT = "flt"  # checkpoints name only classes of this package
@@ -38,10 +40,25 @@ def save(path: Path, state: dict) -> None:
     save_npz_atomic(Path(path), **arrays, **{_STATE: np.frombuffer(doc, dtype=np.uint8)})
 
 
+class DamagedCheckpoint(FltError):
+    """A checkpoint file that is missing, cut short or altered: the run cannot resume from
+    it, and the message says what to delete to run that method again."""
+
+    def __init__(self, path: Path, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(
+            f"{path}: damaged checkpoint ({reason}); delete its folder {path.parent} to run that method "
+            "again from round 0 (the other methods' results stay)"
+        )
+
+
 def load(path: Path, device: torch.device | str = "cpu") -> dict:
-    with np.load(Path(path), allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
-    return unpack(json.loads(arrays.pop(_STATE).tobytes()), arrays, torch.device(device))
+    try:
+        with np.load(Path(path), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        return unpack(json.loads(arrays.pop(_STATE).tobytes()), arrays, torch.device(device))
+    except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, CheckpointError) as exc:
+        raise DamagedCheckpoint(Path(path), short(str(exc) or type(exc).__name__, 120)) from None
 
 
 def pack(value: object, arrays: dict[str, np.ndarray], where: str) -> Json:

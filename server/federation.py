@@ -33,6 +33,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from flt.common.errors import FltError
 from flt.common.wire import Message
 from flt.reports.summary import split_timing
 from flt.reports.terminal import Progress, step
@@ -497,14 +498,29 @@ def resume_method(
         )
     strategy.load_state_dict(state["strategy"])
     metrics = out_dir / "metrics.jsonl"
-    lines = metrics.read_text().splitlines()[:done] if metrics.exists() else []
-    if len(lines) < done:
-        raise RuntimeError(f"{metrics}: {len(lines)} records, but the checkpoint is after round {done}")
+    lines, records = first_records(metrics, done)
     tmp = metrics.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in lines))
     tmp.replace(metrics)
     log.info("resuming %s after round %d", strategy.name, done)
-    return done, [json.loads(line) for line in lines], state["setup_s"]
+    return done, records, state["setup_s"]
+
+
+def first_records(metrics: Path, done: int) -> tuple[list[str], list[dict]]:
+    """The first `done` round records of a method's metrics.jsonl (the ones the checkpoint
+    follows), as lines and parsed, or an error that says what to delete when they are
+    missing or damaged."""
+    try:
+        lines = metrics.read_text().splitlines()[:done] if metrics.exists() else []
+        records = [json.loads(line) for line in lines]
+    except (OSError, ValueError):  # unreadable, not UTF-8, or a line that is not JSON
+        records = []
+    if len(records) < done or not all(isinstance(r, dict) for r in records):
+        raise FltError(
+            f"{metrics}: the records of rounds 1-{done} are cut short or damaged, but the checkpoint is after "
+            f"round {done}; delete the folder {metrics.parent} to run that method again from round 0"
+        )
+    return lines, records
 
 
 def _payload(msg: Message) -> int:

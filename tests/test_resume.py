@@ -336,3 +336,27 @@ def test_resume_names_a_damaged_file_of_the_run_folder(finished_run, tmp_path, n
     res = flt_cli("run", "--resume", str(copy))
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert f"{copy / name}: not " in res.stderr
+
+
+@pytest.mark.parametrize("damage", ["checkpoint", "records", "folder deleted"])
+def test_a_method_that_cannot_resume_says_what_to_delete_and_then_runs_again(finished_run, tmp_path, damage):
+    """A checkpoint cut short or records cut short ended the resume with a BadZipFile or
+    RuntimeError traceback. Now one line names the file and the folder to delete; deleting
+    it (also after the method finished) runs that method again, to the same records."""
+    copy = tmp_path / "copy"
+    shutil.copytree(finished_run, copy)
+    method = copy / "fedavg"
+    if damage != "folder deleted":
+        (copy / "summary.json").unlink()  # as if killed mid-method: it resumes from its checkpoint
+        damaged = method / ("checkpoint.npz" if damage == "checkpoint" else "metrics.jsonl")
+        damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 3])
+        res = flt_cli("run", "--resume", str(copy))
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        assert f"error: {damaged}: " in res.stderr and f"delete the folder {method} " in res.stderr.replace(
+            "delete its folder", "delete the folder"
+        )
+    shutil.rmtree(method)
+    res = flt_cli("run", "--resume", str(copy))
+    assert res.returncode == 0, res.stderr
+    assert "== fedavg ==" in res.stdout and "finished before" not in res.stdout
+    assert results_without_timing(copy)["fedavg"] == results_without_timing(finished_run)["fedavg"]
