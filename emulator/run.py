@@ -38,11 +38,23 @@ from flt.server.transport import Transport
 
 
 def make_run_dir(cfg: dict, out: str | None) -> Path:
+    """The run folder, with the resolved config and the command in it. A folder that holds
+    another run's results is refused: writing over its config and summary would lose them
+    and mix its method folders with this run's."""
     if out:
         run_dir = Path(out)
     else:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         run_dir = Path(cfg["output"]) / f"{cfg['name']}-{stamp}"
+        taken = 1
+        while run_dir.exists():  # two runs started in the same second
+            taken += 1
+            run_dir = Path(cfg["output"]) / f"{cfg['name']}-{stamp}-{taken}"
+    if (run_dir / "summary.json").is_file():
+        raise ConfigError(
+            f"--out: {run_dir} already holds a run's results (summary.json); choose another folder, continue "
+            f"that run with `flt run --resume {run_dir}`, or delete it"
+        )
     make_folder(run_dir, "--out" if out else "output")
     (run_dir / "config.yaml").write_text(dump(cfg))
     (run_dir / "command.txt").write_text(report.command_line() + "\n")  # for `flt report`

@@ -280,6 +280,21 @@ def test_the_new_default_finds_planted_groups_at_any_scale(scale):
     assert adjusted_rand_score(truth, got.labels) == 1.0
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_point_per_client_is_centred_not_whitened(seed):
+    """k = 1: each client sends its mean embedding. Their pooled covariance is the spread
+    between the clients, and whitening by it made all clients about equidistant (one
+    cluster for five, here and on the quickstart)."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(5, 64)) * 2
+    truth = np.repeat(np.arange(5), 4)
+    points = [centres[g][None] + rng.normal(size=(1, 64)) for g in truth]
+    pooled = np.concatenate(points)
+    np.testing.assert_allclose(np.concatenate(fcr.whiten(points)), pooled - pooled.mean(0), atol=1e-5)
+    got = default_relate(points)
+    assert got.n_clusters == 5 and adjusted_rand_score(truth, got.labels) == 1.0
+
+
 def test_split_scores_are_about_one_for_noise_and_large_for_a_real_split():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(80, 12))  # one homogeneous group

@@ -19,6 +19,7 @@ import torch
 from flt_command import QUICKSTART, flt_run  # tests/ is on sys.path under pytest
 from flt_command import flt as flt_cli
 
+from flt.emulator import config
 from flt.emulator.clock import EmulatedClock
 from flt.emulator.config import parse_methods
 from flt.emulator.population import Population, Schedule
@@ -360,3 +361,34 @@ def test_a_method_that_cannot_resume_says_what_to_delete_and_then_runs_again(fin
     assert res.returncode == 0, res.stderr
     assert "== fedavg ==" in res.stdout and "finished before" not in res.stdout
     assert results_without_timing(copy)["fedavg"] == results_without_timing(finished_run)["fedavg"]
+
+
+def test_a_new_run_into_a_folder_holding_another_runs_results_is_refused(finished_run, tmp_path):
+    """`flt run --out` into a finished run's folder wrote its config and summary over the
+    old ones and mixed the old method folders with the new run's."""
+    copy = tmp_path / "copy"
+    shutil.copytree(finished_run, copy)
+    before = {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()}
+    res = flt_run(str(QUICKSTART), str(copy), "methods=[local]", "train.rounds=1", "seed=5")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert f"--out: {copy} already holds a run's results" in res.stderr and "--resume" in res.stderr
+    assert {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()} == before  # nothing written
+    assert not (copy / "local").exists()
+
+
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
+    from datetime import datetime
+
+    from flt.emulator import run
+
+    class Frozen(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime(2026, 12, 1, 17, 0, 0)
+
+    monkeypatch.setattr(run, "datetime", Frozen)
+    monkeypatch.setattr(run.report, "command_line", lambda: "flt run x.yaml")
+    cfg = config.load(QUICKSTART, [f"output={tmp_path}"])
+    folders = [run.make_run_dir(cfg, None) for _ in range(3)]
+    assert [f.name for f in folders] == [f"quickstart-20261201-170000{s}" for s in ("", "-2", "-3")]
+    assert all((f / "config.yaml").is_file() for f in folders)

@@ -256,12 +256,18 @@ def test_fedsem_unassigned_client_gets_centre_nearest_global_average(tmp_path):
     assert torch.equal(tasks[5].models[0], s.centres[nearest_to_zero])
 
 
-def test_fedsem_waits_for_k_models_before_init(tmp_path):
+def test_fedsem_waits_for_k_models_before_init(tmp_path, caplog):
+    """...and says so once: with fewer clients a round than K it never clusters (it ran
+    as FedAvg without a word, 'clusters 0' in the table)."""
     ctx = make_ctx(tmp_path)
     s = FedSEM(ctx, centers=3)
-    s.aggregate(1, {0: result(torch.ones(P)), 1: result(3 * torch.ones(P))})
+    with caplog.at_level("WARNING", logger="flt.server.strategies.fedsem"):
+        s.aggregate(1, {0: result(torch.ones(P)), 1: result(3 * torch.ones(P))})
+        s.aggregate(2, {0: result(torch.ones(P)), 1: result(3 * torch.ones(P))})
     assert s.centres is None
-    assert torch.allclose(s.train_tasks(2, np.array([4]))[4].models[0], 2 * torch.ones(P))
+    assert torch.allclose(s.train_tasks(3, np.array([4]))[4].models[0], 2 * torch.ones(P))
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "3 centres need a round in which 3 clients return" in warning and "2 returned" in warning
 
 
 def test_fedsem_pool_all_clusters_every_clients_latest_model(tmp_path):

@@ -41,6 +41,8 @@ Traffic: one model down and one up per selection, 2*rho*M*W_local*T.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 from sklearn.cluster import KMeans
@@ -57,6 +59,8 @@ from flt.server.strategies.base import (
 )
 from flt.server.strategies.params import FEDSEM
 
+log = logging.getLogger(__name__)
+
 
 class FedSEM(Strategy):
     name = "fedsem"
@@ -72,6 +76,7 @@ class FedSEM(Strategy):
         self.assign = np.full(ctx.n_clients, -1, dtype=np.int64)
         self.init_round: int | None = None
         self.moves = 0  # re-assignments that changed centre
+        self.waited = False  # said that the centres wait for a round with K returned models
         self.pool_all = self.params.get("pool") == "all"  # FeSEM (soft) has no pool: the paper's steps
 
     # -- helpers ------------------------------------------------------------------------
@@ -111,6 +116,20 @@ class FedSEM(Strategy):
         avg = weighted_average(centres, torch.as_tensor(mass, device=centres.device))
         return int(self.nearest(avg[None])[0])
 
+    def wait_for_centres(self, returned: int) -> None:
+        """The centres are K distinct models of one round: until a round returns K, FedSEM
+        averages what came (FedAvg). Said once, as a cohort smaller than K never places them."""
+        if not self.waited:
+            log.warning(
+                "%s: %d centres need a round in which %d clients return; round models averaged (FedAvg) "
+                "until one does (%d returned; with fewer selected a round than K it never clusters)",
+                self.name,
+                self.k,
+                self.k,
+                returned,
+            )
+            self.waited = True
+
     # -- rounds -------------------------------------------------------------------------
     def train_tasks(self, rnd: int, selected: np.ndarray) -> dict[int, Task]:
         if self.centres is None:
@@ -131,6 +150,7 @@ class FedSEM(Strategy):
             return
         if self.centres is None:
             if len(clients) < self.k:
+                self.wait_for_centres(len(clients))
                 self.global_model = weighted_average(models, n)
                 return
             self.centres = self.kmeanspp(models)
