@@ -96,10 +96,11 @@ def training(sent: dict[int, Message], sizes: ShardSizes | None, op: DeviceOp) -
 
 
 def _embedding(sent: dict[int, Message], sizes: ShardSizes | None, op: DeviceOp) -> Check:
-    k = next(iter(sent.values())).meta.get("k") if sent else None
+    meta = next(iter(sent.values())).meta if sent else {}
+    k, latent = meta.get("k"), meta.get("latent")
     # "auto" picks k in 2..10 on the device; "labels": one row per class
     max_k = k if isinstance(k, int) else MAX_CLASSES if k == "labels" else 10
-    return centroids_check(sizes, max_k, labelled=k == "labels")
+    return centroids_check(sizes, max_k, labelled=k == "labels", width=latent if isinstance(latent, int) else None)
 
 
 # -- the built-in operations (devices/ops.py runs them) ----------------------------------

@@ -130,10 +130,14 @@ def subspace_check(sent: dict[int, Message], sizes: ShardSizes | None) -> Check:
 MAX_CLASSES = 64  # label-conditioned centroids: at most one row per class (FEMNIST has 62)
 
 
-def centroids_check(sizes: ShardSizes | None, max_k: int = 64, labelled: bool = False) -> Check:
-    """`centroids`: the client's whole training shard embedded, into 1..max_k finite rows,
-    and `shares`: each row's share of the shard, k fractions that sum to 1;
-    `labelled`: each row ends with its class, distinct whole numbers in [0, max_k)."""
+def centroids_check(
+    sizes: ShardSizes | None, max_k: int = 64, labelled: bool = False, width: int | None = None
+) -> Check:
+    """`centroids`: the client's whole training shard embedded, into 1..max_k finite rows
+    of the encoder's `width` (when known: rows of another width would meet the other
+    clients' in one array on the server), and `shares`: each row's share of the shard, k
+    fractions that sum to 1; `labelled`: each row ends with its class, distinct whole
+    numbers in [0, max_k)."""
 
     def check(client: int, reply: Message) -> tuple[str, str] | None:
         n, expected_n = reply.meta.get("n"), sizes(client)[0] if sizes else None
@@ -143,6 +147,8 @@ def centroids_check(sizes: ShardSizes | None, max_k: int = 64, labelled: bool = 
         if set(reply.tensors) != ({"centroids", "shares"} | ({"halves", "half_shares"} if halves else set())):
             return "bad centroids", "expected centroids and shares, and optionally halves and half_shares"
         c = reply.tensors["centroids"]
+        if width is not None and (c.ndim != 2 or c.shape[1] != width + labelled):
+            return "bad centroids", f"expected rows of {width + labelled} values, the encoder's embedding"
         bad = _summary_fault(c, reply.tensors["shares"], max_k, labelled, "centroid")
         if bad or not halves:
             return bad

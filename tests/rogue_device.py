@@ -1,7 +1,7 @@
 """A broken or hostile external device, for tests/test_rogue_device.py.
 
 It is the real device program (`flt device`), except that it answers the first request
-(or the first `--times N`) of each kind it is told to spoil wrongly, in one of four ways:
+(or the first `--times N`) of each kind it is told to spoil wrongly, in one of five ways:
 
 - missing: no answer at all;
 - malformed: a frame that does not decode;
@@ -9,7 +9,9 @@ It is the real device program (`flt device`), except that it answers the first r
   totals that are not the test shard's, 3-D centroids, a device state with a model of
   the wrong size, `ready` for clients it was not given);
 - late: the right answer, after the server stopped waiting for it (held back until the
-  device answers its next request, which the server sends only once it gave up).
+  device answers its next request, which the server sends only once it gave up);
+- narrow: centroids one column narrower than the encoder's embedding (other replies as
+  they are).
 
     python tests/rogue_device.py --connect ENDPOINT --name edge-1 --mode late \\
         --spoil update,metrics,centroids,state
@@ -33,7 +35,14 @@ from flt.devices.device import Device
 from flt.emulator.zygote import preload
 
 REPLIES = ("ready", "update", "metrics", "centroids", "state")  # a reply to assign, train, evaluate, encoder, snapshot
-MODES = ("missing", "malformed", "wrong", "late")
+MODES = ("missing", "malformed", "wrong", "late", "narrow")
+
+
+def narrow(msg: Message) -> Message:
+    """Centroids (and halves) one column narrower than the encoder's embedding: each
+    client's summary is well-formed on its own, only the run's width tells it wrong."""
+    tensors = {k: v[:, :-1] if k in ("centroids", "halves") else v for k, v in msg.tensors.items()}
+    return Message(msg.kind, msg.round, msg.client, tensors=tensors, meta=dict(msg.meta), run=msg.run)
 
 
 def wrong(msg: Message) -> Message:
@@ -74,6 +83,8 @@ class RogueDevice(Device):
             self.sock.send_multipart([b'{"v": 1, "kind": "' + msg.kind.encode() + b'", "round": '])
         elif self.mode == "wrong":
             super().send(wrong(msg))
+        elif self.mode == "narrow":
+            super().send(narrow(msg) if msg.kind == "centroids" else msg)
         elif self.mode == "late":
             self.held.append(msg)
 

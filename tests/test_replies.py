@@ -153,3 +153,25 @@ def test_a_reply_with_halves_missing_a_part_is_refused():
     assert centroids_check(SIZES, max_k=10)(3, reply)[0] == "bad centroids"
     extra = halves_reply(np.ones((8, 8), np.float32), np.full(8, 0.25, np.float32), 4, {"x": np.ones(2)})
     assert centroids_check(SIZES, max_k=10)(3, extra)[0] == "bad centroids"
+
+
+@pytest.mark.parametrize(
+    "columns, labelled, problem",
+    [
+        (8, False, None),
+        (7, False, "bad centroids"),
+        (9, False, "bad centroids"),
+        (9, True, None),
+        (8, True, "bad centroids"),
+    ],
+)
+def test_centroids_must_be_as_wide_as_the_encoders_embedding(columns, labelled, problem):
+    """Rows of another width than the encoder's (8 here; a class column more with k:
+    labels) passed, and ended the run where the server pooled every client's rows."""
+    rows = np.ones((2, columns), np.float32)
+    if labelled:
+        rows[:, -1] = [0, 1]
+    tensors = {"centroids": rows, "shares": np.full(2, 0.5, np.float32)}
+    check = centroids_check(SIZES, max_k=10, labelled=labelled, width=8)
+    got = check(3, Message("centroids", 1, 3, tensors=tensors, meta={"n": 50}))
+    assert (got and got[0]) == problem

@@ -123,6 +123,17 @@ def test_a_device_that_answers_each_request_wrongly_leaves_a_finished_run(tmp_pa
 
 
 @pytest.mark.slow
+def test_centroids_narrower_than_the_encoders_embedding_are_rejected_not_fatal(tmp_path):
+    """Each client's centroids looked well-formed on their own; one column short of the
+    encoder's width, they reached the server's set distance beside everyone else's."""
+    res, rogue_log = run_with_rogue(tmp_path, "narrow", "centroids")
+    summary = assert_finished_on_disk(tmp_path, res)
+    assert "rogue: narrow centroids" in rogue_log
+    assert "bad centroids" in summary["rejected"]["rejected_reasons"]
+    assert summary["rejected"]["rejected_messages"] >= len(ROGUE_CLIENTS)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["missing", "wrong"])
 def test_a_device_that_cannot_load_its_clients_is_lost_and_the_run_goes_on(tmp_path, mode):
     """`ready` missing (late and malformed are the same to the server: no valid `ready`
