@@ -286,7 +286,96 @@ def relate(
     and slow, and the embedding-space pipeline skips it); `classes` (label-conditioned
     centroids) makes the set distance match points of the same class; `halves` (the
     clients' summaries of two halves of their data) is what choose 'halves' tests on,
-    which is 'splits' without them."""
+    which is 'splits' without them.
+
+    Outlying clients: a client farther from every other than the groups are from each
+    other is split off alone at the top of the dendrogram, so every cut holds it as a
+    cluster of one, which the split rule never keeps: one odd client (corrupted data, a
+    device that lies) made C = 1 for everyone. Where that gives one cluster, the clients
+    split off alone at the top are set aside, the rest related again, and each set-aside
+    client joins the cluster whose mean is nearest."""
+    got = _relate(points, how, n_clusters, max_clusters, device, classes, weights, halves)
+    automatic = n_clusters == "auto" and how.choose in ("splits", "halves")
+    lone = peeled(got.linkage, len(points)) if automatic and got.n_clusters == 1 else np.zeros(0, np.int64)
+    core = np.setdiff1d(np.arange(len(points)), lone)
+    if not len(lone) or len(core) < 4:
+        return got
+    inner = relate(
+        [points[i] for i in core],
+        how,
+        n_clusters,
+        max_clusters,
+        device,
+        None if classes is None else [classes[i] for i in core],
+        None if weights is None else [weights[i] for i in core],
+        None if halves is None else subset_halves(halves, core),
+    )
+    if inner.n_clusters == 1:
+        return got
+    labels = np.zeros(len(points), np.int64)
+    labels[core] = inner.labels
+    labels[lone] = nearest_means(got.distance.astype(np.float64) ** 2, core, inner.labels, lone)  # A: a distance
+    labels = _canonical(labels)
+    log.info("FCR: %d outlying client(s) %s joined their nearest cluster", len(lone), lone.tolist()[:10])
+    return Clustering(
+        labels, got.distance, cluster_graph(labels), got.linkage, int(labels.max() + 1),
+        _silhouette(got.distance, labels), inner.separation, inner.chosen_by,
+    )  # fmt: skip
+
+
+def peeled(z: np.ndarray, m: int) -> np.ndarray:
+    """The clients the dendrogram splits off one at a time from its root down (each top
+    merge joining a single client to all the rest)."""
+    lone, node = [], 2 * m - 2
+    while node >= m:
+        left, right = (int(x) for x in z[node - m, :2])
+        if left >= m and right >= m:
+            break
+        if left < m and right < m:  # the last two clients: neither is an outlier of the other
+            break
+        leaf, node = (left, right) if left < m else (right, left)
+        lone.append(leaf)
+    return np.array(sorted(lone), np.int64)
+
+
+def subset_halves(halves: Halves, core: np.ndarray) -> Halves:
+    """The halves of the clients in `core`, indexed by their position in it."""
+    position = np.full(int(max(core.max(), halves.members.max(initial=0))) + 1, -1, np.int64)
+    position[core] = np.arange(len(core))
+    keep = [i for i, c in enumerate(halves.members.tolist()) if c < len(position) and position[c] >= 0]
+
+    def take(xs: list[np.ndarray] | None) -> list[np.ndarray] | None:
+        return None if xs is None else [xs[i] for i in keep]
+
+    return Halves(
+        position[halves.members[keep]], [halves.a[i] for i in keep], [halves.b[i] for i in keep],
+        [halves.a_weights[i] for i in keep], [halves.b_weights[i] for i in keep],
+        take(halves.a_classes), take(halves.b_classes),
+    )  # fmt: skip
+
+
+def nearest_means(squared: np.ndarray, core: np.ndarray, labels: np.ndarray, lone: np.ndarray) -> np.ndarray:
+    """For each client in `lone`, the cluster (of `core`'s `labels`) whose mean is nearest:
+    ||x - mean_c||^2 = mean_{j in c} A_xj - sum_{c x c} A / (2 |c|^2), from squared
+    distances alone (refine_ward's objective)."""
+    member = (labels[:, None] == np.arange(labels.max() + 1)[None, :]).astype(np.float64)  # [core, C]
+    size = member.sum(0)
+    inner = squared[np.ix_(core, core)]
+    spread = (member * (inner @ member)).sum(0) / (2 * size**2)
+    to = squared[np.ix_(lone, core)] @ member / size - spread
+    return to.argmin(1)
+
+
+def _relate(
+    points: list[np.ndarray],
+    how: Relatedness,
+    n_clusters: int | Literal["auto"],
+    max_clusters: int,
+    device: torch.device | None,
+    classes: list[np.ndarray] | None,
+    weights: list[np.ndarray] | None,
+    halves: Halves | None,
+) -> Clustering:
     m = len(points)
     # class-by-class matching (k: labels) needs a distance that matches points: the energy
     # distance compares the sets as wholes, and a label swap leaves the pooled points as
@@ -649,11 +738,18 @@ def split_score(adj: np.ndarray, left: np.ndarray, right: np.ndarray, final: np.
     mean (kernel PCA of the doubly centred A), and the factor is the squared distance
     between the two parts' means when a Gaussian is cut at its q-quantile along that
     direction. Noise scores about 1 to 2 (the quality suite: at most 1.8 where nothing is
-    planted); a real split scores higher."""
+    planted); a real split scores higher. lambda_1 leaves out the far-out clients (a
+    squared distance to their cluster's mean above Tukey's outer fence, Q3 + 3 IQR): a
+    largest variance is the statistic one odd client moves most, and one client with its
+    data 5 noise sd off lowered every score below the bar (C = 1 for five groups)."""
     both = np.concatenate([left, right])
     gram = _centred_gram(adj[np.ix_(both, both)], final[both])
-    top = float(np.linalg.eigvalsh(gram)[-1]) if len(both) <= 400 else _top_eigenvalue(gram)
-    lam = max(top / len(both), 1e-12)
+    deviation = np.diag(gram)
+    q1, q3 = np.percentile(deviation, [25, 75])
+    usual = deviation <= q3 + 3 * (q3 - q1)
+    gram = gram[np.ix_(usual, usual)]
+    top = float(np.linalg.eigvalsh(gram)[-1]) if len(gram) <= 400 else _top_eigenvalue(gram)
+    lam = max(top / len(gram), 1e-12)
     s_l = adj[np.ix_(left, left)].sum() / (2 * len(left) ** 2)
     s_r = adj[np.ix_(right, right)].sum() / (2 * len(right) ** 2)
     d2 = adj[np.ix_(left, right)].mean() - s_l - s_r

@@ -295,6 +295,40 @@ def test_one_point_per_client_is_centred_not_whitened(seed):
     assert got.n_clusters == 5 and adjusted_rand_score(truth, got.labels) == 1.0
 
 
+def groups_with_one_odd_client(seed: int, offset: float) -> tuple[list[np.ndarray], np.ndarray]:
+    """5 groups of 8 clients (3 centroids each, noise sd 0.5), and client 0's data shifted
+    by `offset` noise-free sd (corrupted images, or a device that lies)."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(5, 3, 16)) * 3
+    truth = np.repeat(np.arange(5), 8)
+    points = [centres[g] + 0.5 * rng.normal(size=(3, 16)) for g in truth]
+    points[0] = points[0] + offset * rng.normal(size=(1, 16))
+    return points, truth
+
+
+@pytest.mark.parametrize("seed", [0, 2, 4])
+@pytest.mark.parametrize("offset", [5.0, 100.0, 1e6])
+def test_one_odd_client_does_not_merge_every_group(seed, offset):
+    """One client far off made C = 1 for all 40: moderately off, it inflated the largest
+    within-cluster variance every split is scored against (now left out past Tukey's outer
+    fence); far off, Ward split it alone at the top, and every cut held it as a cluster of
+    one, which the split rule never keeps (now set aside, the rest related, and it joins
+    the nearest cluster)."""
+    points, truth = groups_with_one_odd_client(seed, offset)
+    got = default_relate(points)
+    assert got.n_clusters == 5 and adjusted_rand_score(truth[1:], got.labels[1:]) == 1.0
+    assert 0 <= got.labels[0] < 5
+
+
+def test_an_odd_client_alone_on_top_of_a_group_without_structure_leaves_one_cluster():
+    points, _ = groups_with_one_odd_client(0, 0.0)
+    rng = np.random.default_rng(1)
+    iid = [points[1] + 0.5 * rng.normal(size=(3, 16)) for _ in range(20)]
+    iid[0] = iid[0] + 100.0
+    got = default_relate(iid)
+    assert fcr.peeled(got.linkage, 20).tolist() == [0] and got.n_clusters == 1
+
+
 def test_split_scores_are_about_one_for_noise_and_large_for_a_real_split():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(80, 12))  # one homogeneous group
