@@ -291,12 +291,12 @@ def relate(
     Outlying clients: a client farther from every other than the groups are from each
     other is split off alone at the top of the dendrogram, so every cut holds it as a
     cluster of one, which the split rule never keeps: one odd client (corrupted data, a
-    device that lies) made C = 1 for everyone. Where that gives one cluster, the clients
-    split off alone at the top are set aside, the rest related again, and each set-aside
-    client joins the cluster whose mean is nearest."""
+    device that lies) made C = 1 for everyone. Where that gives one cluster, the outlying
+    clients (`outlying`) are set aside, the rest related again, and each set-aside client
+    joins the cluster whose mean is nearest."""
     got = _relate(points, how, n_clusters, max_clusters, device, classes, weights, halves)
     automatic = n_clusters == "auto" and how.choose in ("splits", "halves")
-    lone = peeled(got.linkage, len(points)) if automatic and got.n_clusters == 1 else np.zeros(0, np.int64)
+    lone = outlying(got, len(points)) if automatic and got.n_clusters == 1 else np.zeros(0, np.int64)
     core = np.setdiff1d(np.arange(len(points)), lone)
     if not len(lone) or len(core) < 4:
         return got
@@ -321,6 +321,20 @@ def relate(
         labels, got.distance, cluster_graph(labels), got.linkage, int(labels.max() + 1),
         _silhouette(got.distance, labels), inner.separation, inner.chosen_by,
     )  # fmt: skip
+
+
+def outlying(got: Clustering, m: int) -> np.ndarray:
+    """Clients set aside when one cluster came out: those the dendrogram splits off alone
+    at its top (`peeled`), and those whose nearest other client is farther than Tukey's
+    outer fence (Q3 + 3 IQR) of every client's nearest-neighbour distance (an odd client
+    that splits off alone lower down, inside the cut that would hold the groups)."""
+    if m < 4:
+        return np.zeros(0, np.int64)
+    gap = got.distance.astype(np.float64) + np.diag(np.full(m, np.inf))
+    nearest = gap.min(1)
+    q1, q3 = np.percentile(nearest, [25, 75])
+    far = np.flatnonzero(nearest > q3 + 3 * (q3 - q1))
+    return np.union1d(peeled(got.linkage, m), far).astype(np.int64)
 
 
 def peeled(z: np.ndarray, m: int) -> np.ndarray:

@@ -307,13 +307,14 @@ def groups_with_one_odd_client(seed: int, offset: float) -> tuple[list[np.ndarra
 
 
 @pytest.mark.parametrize("seed", [0, 2, 4])
-@pytest.mark.parametrize("offset", [5.0, 100.0, 1e6])
+@pytest.mark.parametrize("offset", [5.0, 20.0, 100.0, 1e6])
 def test_one_odd_client_does_not_merge_every_group(seed, offset):
     """One client far off made C = 1 for all 40: moderately off, it inflated the largest
     within-cluster variance every split is scored against (now left out past Tukey's outer
-    fence); far off, Ward split it alone at the top, and every cut held it as a cluster of
-    one, which the split rule never keeps (now set aside, the rest related, and it joins
-    the nearest cluster)."""
+    fence); farther, Ward split it off alone, at the top or inside the cut that holds the
+    groups, and every such cut held it as a cluster of one, which the split rule never
+    keeps (now set aside when it is alone at the top or its nearest neighbour is past the
+    outer fence, the rest related, and it joins the nearest cluster)."""
     points, truth = groups_with_one_odd_client(seed, offset)
     got = default_relate(points)
     assert got.n_clusters == 5 and adjusted_rand_score(truth[1:], got.labels[1:]) == 1.0
