@@ -16,7 +16,9 @@ set     (the default: no threshold, no per-dataset knob)
     halves (z >= `min_heldout_keep`: pieces of one group, or a few clients of one
     population split off by chance, do not), and where sampling noise hides the clients'
     differences, a finer cut that the halves confirm (z >= `min_heldout`) wins; neither
-    rule finding a split: C = 1. The clusters are that cut, then
+    rule finding a split: C = 1 (unless clients that lie alone far off, `outlying`, hid
+    the structure of the rest: then they are set aside, the rest related again, and each
+    joins its nearest cluster). The clusters are that cut, then
     refined by Lloyd's iterations on Ward's own objective (`refine_ward`: each client
     moves to the nearest cluster mean until none moves; C stays). Everything is
     invariant to scaling the centroids.
