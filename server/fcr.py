@@ -302,15 +302,15 @@ def relate(
     core = np.setdiff1d(np.arange(len(points)), lone)
     if not len(lone) or len(core) < 4:
         return got
-    inner = relate(
+    inner = relate(  # the rest, which may set aside clients of its own in turn
         [points[i] for i in core],
         how,
         n_clusters,
         max_clusters,
         device,
-        None if classes is None else [classes[i] for i in core],
-        None if weights is None else [weights[i] for i in core],
-        None if halves is None else subset_halves(halves, core),
+        classes=None if classes is None else [classes[i] for i in core],
+        weights=None if weights is None else [weights[i] for i in core],
+        halves=None if halves is None else subset_halves(halves, core),
     )
     if inner.n_clusters == 1:
         return got
