@@ -197,32 +197,32 @@ def test_a_run_whose_every_device_dies_stops_with_exit_3_and_keeps_its_rounds(tm
     assert not (tmp_path / "flt").exists()  # the next method did not start with no devices
 
 
-def test_ctrl_c_stops_cleanly_and_keeps_the_rounds_done(tmp_path):
+def stop_after_three_rounds(out: Path, signum: int) -> tuple[subprocess.Popen, str, Path]:
+    """A long FedAvg run on the quickstart, sent `signum` once 3 rounds are recorded;
+    returns the process (ended), its stderr and its metrics file."""
     import signal
     import time
 
     proc = flt_popen(
-        "run",
-        str(QUICKSTART),
-        "--set",
-        "methods=[fedavg]",
-        "--set",
-        "train.rounds=100000",
-        "--out",
-        str(tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        "run", str(QUICKSTART), "--set", "methods=[fedavg]", "--set", "train.rounds=100000", "--out", str(out),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         # a shell without job control starts background jobs with SIGINT ignored (POSIX), and
         # the child would inherit that: give it the default a terminal's Ctrl-C meets
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    metrics = tmp_path / "fedavg" / "metrics.jsonl"
+    )  # fmt: skip
+    metrics = out / "fedavg" / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
         time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=60)
+    return proc, err, metrics
+
+
+def test_ctrl_c_stops_cleanly_and_keeps_the_rounds_done(tmp_path):
+    import signal
+
+    proc, err, metrics = stop_after_three_rounds(tmp_path, signal.SIGINT)
     assert proc.returncode == 130 and "interrupted" in err
     assert len(metrics.read_text().splitlines()) >= 3
     codes = json.loads((tmp_path / "summary.json").read_text())["timing"]["device_exit_codes"]
@@ -233,18 +233,8 @@ def test_sigterm_stops_like_ctrl_c_and_keeps_the_rounds_done(tmp_path):
     """kill (or a batch scheduler's time limit) ended the server at once: no shutdown sent
     to the devices, no last line. Now it stops as Ctrl-C does, with the shell's code 143."""
     import signal
-    import time
 
-    proc = flt_popen(
-        "run", str(QUICKSTART), "--set", "methods=[fedavg]", "--set", "train.rounds=100000", "--out", str(tmp_path),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    metrics = tmp_path / "fedavg" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    proc, err, metrics = stop_after_three_rounds(tmp_path, signal.SIGTERM)
     assert proc.returncode == 143 and "terminated: results so far are in the run folder" in err, err
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["methods"]["fedavg"]["rounds"] == len(metrics.read_text().splitlines()) >= 3
