@@ -36,7 +36,7 @@ import torch
 from flt.common.errors import FltError
 from flt.common.interrupts import deferred_interrupt
 from flt.common.wire import Message
-from flt.reports.summary import split_timing
+from flt.reports.summary import read_metrics, split_timing
 from flt.reports.terminal import Progress, step
 from flt.reports.writer import write_artifacts
 from flt.server import checkpoint
@@ -511,29 +511,28 @@ def resume_method(
         )
     strategy.load_state_dict(state["strategy"])
     metrics = out_dir / "metrics.jsonl"
-    lines, records = first_records(metrics, done)
+    records = first_records(out_dir, done)
     tmp = metrics.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in lines))
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))  # as written: json.dumps of each
     tmp.replace(metrics)
     log.info("resuming %s after round %d", strategy.name, done)
     return done, records, state["setup_s"]
 
 
-def first_records(metrics: Path, done: int) -> tuple[list[str], list[dict]]:
-    """The first `done` round records of a method's metrics.jsonl (the ones the checkpoint
-    follows), as lines and parsed, or an error that says what to delete when they are
-    missing or damaged."""
+def first_records(out_dir: Path, done: int) -> list[dict]:
+    """The first `done` round records of a method's metrics.jsonl (the ones its checkpoint
+    follows; a torn last line is dropped as `flt report` drops it), or an error that says
+    what to delete when they are missing or damaged."""
     try:
-        lines = metrics.read_text().splitlines()[:done] if metrics.exists() else []
-        records = [json.loads(line) for line in lines]
-    except (OSError, ValueError):  # unreadable, not UTF-8, or a line that is not JSON
+        records = read_metrics(out_dir.parent, out_dir.name)[:done]
+    except (OSError, ValueError, FltError):  # unreadable, not UTF-8, or a damaged line before the last
         records = []
     if len(records) < done or not all(isinstance(r, dict) for r in records):
         raise FltError(
-            f"{metrics}: the records of rounds 1-{done} are cut short or damaged, but the checkpoint is after "
-            f"round {done}; delete the folder {metrics.parent} to run that method again from round 0"
+            f"{out_dir / 'metrics.jsonl'}: the records of rounds 1-{done} are cut short or damaged, but the "
+            f"checkpoint is after round {done}; delete the folder {out_dir} to run that method again from round 0"
         )
-    return lines, records
+    return records
 
 
 def _payload(msg: Message) -> int:
