@@ -391,7 +391,20 @@ def run_scenario(cfg: dict, out: str | None = None, progress: Progress = print, 
         summary["rejected"] = transport.rejections.summary()  # the whole run's, start-up included
         summary["security"] = transport.gate.report()
         report.write_summary(run_dir, summary)
+    if summary["rejected"]["rejected_messages"]:
+        progress(rejected_note(summary["rejected"]))
     return run_dir
+
+
+def rejected_note(rejected: dict) -> str:
+    """One line under the table, so rejected replies (a diverged client's NaN update, a
+    hostile peer) are not noticed only in the log above it."""
+    reasons = ", ".join(f"{r} {v['messages']}" for r, v in rejected["rejected_reasons"].items())
+    return (
+        f"rejected {rejected['rejected_messages']} messages ({reasons}): left out of every "
+        "result and of the traffic; each reason's first messages are in the log above, "
+        "the counts in summary.json 'rejected'"
+    )
 
 
 def make_population(

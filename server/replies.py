@@ -44,7 +44,10 @@ def update_check(sent: dict[int, Message], sizes: ShardSizes | None, stays: Coll
         offered = task.tensors["model"].shape[0] if "model" in task.tensors else 1
         if not _is_int(meta.get("choice", 0)) or not 0 <= meta.get("choice", 0) < offered:
             return "bad meta", f"choice = {short(meta.get('choice'), 24)} of {offered} candidates"
-        if meta.get("flag", 0) not in (0, 1) or not _is_number(meta.get("loss", 0.0)):
+        loss = meta.get("loss", 0.0)
+        if isinstance(loss, float) and not math.isfinite(loss):  # an honest client's SGD can blow up
+            return "non-finite update", f"loss {loss}: local training diverged (a smaller train.lr may help)"
+        if meta.get("flag", 0) not in (0, 1) or not _is_number(loss):
             return "bad meta", f"flag {short(meta.get('flag'), 24)}, loss {short(meta.get('loss'), 24)}"
         return _model_problem(task, reply, client in stays)
 

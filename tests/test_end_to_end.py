@@ -101,6 +101,20 @@ def test_a_device_that_dies_mid_round_does_not_hang_the_server(tmp_path):
     assert s["timing"]["device_exit_codes"]["dev-1"] == 3
 
 
+def test_a_diverging_learning_rate_is_named_and_its_updates_left_out(tmp_path):
+    """lr 1e9 makes the clients' loss NaN in round 1: an honest device's update, but one
+    that would poison the average. It is left out, and the log and the last line say why
+    in terms of the setting to change."""
+    res = flt_run(str(QUICKSTART), str(tmp_path), "methods=[fedavg]", "train.rounds=1", "train.lr=1e9")
+    assert res.returncode == 0, res.stderr
+    assert "local training diverged (a smaller train.lr may help)" in res.stderr
+    last = res.stdout.strip().splitlines()[-1]
+    assert last.startswith("rejected ") and "non-finite update" in last, last
+    row = json.loads((tmp_path / "fedavg" / "metrics.jsonl").read_text())
+    rejected = summary(tmp_path)["rejected"]["rejected_reasons"]["non-finite update"]["messages"]
+    assert row["returned"] == row["selected"] - rejected > 0
+
+
 def test_a_crash_round_that_gives_the_device_no_work_crashes_it_at_its_next_task(tmp_path):
     """Seed 0, 4 devices, 2 clients drawn a round: none of dev-1's is drawn in round 2, so
     `crash={1: 2}` once crashed nothing at all."""

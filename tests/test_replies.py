@@ -58,6 +58,14 @@ def test_a_dishonest_update_is_rejected_with_its_reason(reply, reason):
     assert got is not None and got[0] == reason, got
 
 
+@pytest.mark.parametrize("loss", [float("nan"), float("inf")])
+def test_a_diverged_update_is_named_so_with_the_setting_to_change(loss):
+    """Too large a train.lr makes an honest client's loss NaN: its update is left out,
+    and the log says why in the user's terms rather than as a malformed message."""
+    reason, detail = update_check(_train(), SIZES)(3, _update(loss=loss))
+    assert reason == "non-finite update" and "diverged" in detail and "train.lr" in detail
+
+
 def test_a_resident_model_must_not_travel_back():
     assert update_check(_train(resident=True), SIZES, STAYS)(3, _update())[0] == "bad model"
 
