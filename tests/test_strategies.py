@@ -161,6 +161,14 @@ def test_ifca_tasks_carry_all_cluster_models(tmp_path):
     assert torch.equal(IFCA(ctx, clusters=3).train_tasks(1, np.array([0]))[0].models, m)
 
 
+def test_ifca_warns_when_it_has_more_cluster_models_than_clients(tmp_path, caplog):
+    ctx = make_ctx(tmp_path)
+    IFCA(ctx, clusters=ctx.n_clients)
+    assert "never chosen" not in caplog.text
+    IFCA(ctx, clusters=ctx.n_clients + 3)
+    assert f"at least 3 are never chosen, yet every selected client downloads all {ctx.n_clients + 3}" in caplog.text
+
+
 def test_ifca_averages_per_chosen_cluster(tmp_path):
     ctx = make_ctx(tmp_path)
     s = IFCA(ctx, clusters=3, reinit_empty=False)

@@ -63,6 +63,15 @@ class IFCA(Strategy):
     def __init__(self, ctx, **params):
         super().__init__(ctx, **params)
         self.c = int(self.params["clusters"])
+        if self.c > ctx.n_clients:  # a scenario's C written for more clients than this run has
+            log.warning(
+                "ifca: %d cluster models for %d clients: at least %d are never chosen, yet every "
+                "selected client downloads all %d",
+                self.c,
+                ctx.n_clients,
+                self.c - ctx.n_clients,
+                self.c,
+            )
         self.warmup = int(self.params["warmup_rounds"])
         self.scale = float(self.params["init_scale"])
         self.gen = torch.Generator().manual_seed(int(ctx.seed))
