@@ -275,6 +275,8 @@ def load(
     `saved`: the file is a run folder's own config.yaml (flt run --resume), whose settings
     that did not exist when it was written keep the value the run started with."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path}: a folder, not a scenario file (`flt suite {path}` runs every scenario in it)")
     if not path.is_file():
         raise ConfigError(f"{path}: scenario file not found")
     try:
@@ -395,7 +397,21 @@ def resolve(raw: dict) -> dict:
     for i, spec in enumerate(cfg["methods"]):
         if isinstance(spec["params"].get("encoder"), dict):
             _check_encoder(spec["params"]["encoder"], cfg, f"methods[{i}]({spec['label']}).encoder")
+        if spec["name"] == "fedprox":
+            _check_prox(spec["params"]["mu"], cfg["train"], f"methods[{i}]({spec['label']}).mu")
     return cfg
+
+
+def _check_prox(mu: float, train: dict, where: str) -> None:
+    """FedProx's proximal term alone makes each local step multiply w - w_t by
+    (1 - lr mu) (with momentum b, a heavy-ball step on curvature mu): past lr mu =
+    2 (1 + b) that factor exceeds 1 in size and every client's update blows up to NaN."""
+    lr, b = train["lr"], train["momentum"]
+    if lr * mu >= 2 * (1 + b):
+        raise ConfigError(
+            f"{where}: mu {mu:g} with train.lr {lr:g} (momentum {b:g}) makes the proximal step "
+            f"diverge (lr x mu >= {2 * (1 + b):g}); give mu < {2 * (1 + b) / lr:g}"
+        )
 
 
 def _check_shift(p: dict) -> None:

@@ -270,6 +270,12 @@ def schedule_from(cfg: dict, truth: np.ndarray, num_classes: int | None = None) 
                 raise ConfigError(f"{where}.labels: {ev['labels']} but the dataset has classes 0..{num_classes - 1}")
             changes += [{"kind": "swap_labels", "client": int(c), "labels": list(ev["labels"])} for c in movers]
             continue
+        if (truth[movers] == ev["to_cluster"]).any():
+            home = [int(c) for c in movers if truth[c] == ev["to_cluster"]]
+            raise ConfigError(
+                f"{where}: clients {home} are in cluster {ev['to_cluster']} already: a swap "
+                "inside their own cluster changes no client's data distribution"
+            )
         partners = [
             int(c)
             for c in np.flatnonzero(truth == ev["to_cluster"])

@@ -219,6 +219,23 @@ def test_momentum_is_plain_sgd_unless_asked_and_bounded():
         config.load(QUICKSTART, ["train.momentum=1.5"])
 
 
+def test_a_folder_given_as_the_scenario_points_to_flt_suite():
+    with pytest.raises(ConfigError, match=r"scenarios: a folder, not a scenario file \(`flt suite .*scenarios` runs"):
+        config.load(REPO / "scenarios")
+
+
+def test_a_fedprox_mu_that_makes_the_proximal_step_diverge_is_refused():
+    """quickstart's lr 0.05: each step scales w - w_t by (1 - 0.05 mu), unstable from mu 40
+    (from 60 with momentum 0.5, a heavy-ball step)."""
+    prox = ["methods=[{name: fedprox, mu: %s}]"]
+    assert config.load(QUICKSTART, [prox[0] % 39])["methods"][0]["params"]["mu"] == 39
+    with pytest.raises(ConfigError, match=r"methods\[0\]\(fedprox\)\.mu: mu 40 with train\.lr 0\.05 .*give mu < 40"):
+        config.load(QUICKSTART, [prox[0] % 40])
+    assert config.load(QUICKSTART, [prox[0] % 40, "train.momentum=0.5"])["methods"][0]["params"]["mu"] == 40
+    with pytest.raises(ConfigError, match="give mu < 60"):
+        config.load(QUICKSTART, [prox[0] % 60, "train.momentum=0.5"])
+
+
 def test_encoder_bottleneck_is_the_papers_for_grey_and_wider_for_colour():
     from flt.models.autoencoder import bottleneck_channels
 

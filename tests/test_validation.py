@@ -195,6 +195,8 @@ def test_schedules_are_checked_against_the_partition():
     }
     with pytest.raises(ConfigError, match=r"drift\[0\]: cluster 4 has 0 clients free"):
         schedule_from(cfg, truth)  # cluster 4 is still away when its members should swap
+    with pytest.raises(ConfigError, match=r"drift\[0\]: clients \[5\] are in cluster 1 already"):
+        schedule_from({"population": {"drift": [{"round": 4, "clients": [0, 5], "to_cluster": 1}]}}, truth)
     with pytest.raises(ConfigError, match=r"newcomers\[0\].cluster: no client belongs to cluster 4"):
         schedule_from({"population": {"newcomers": [{"round": 3, "cluster": 4}]}}, np.full(20, -1))
     with pytest.raises(ConfigError, match=r"drift\[0\].labels: \[3, 12\] but the dataset has classes 0..9"):
