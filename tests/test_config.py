@@ -219,6 +219,19 @@ def test_momentum_is_plain_sgd_unless_asked_and_bounded():
         config.load(QUICKSTART, ["train.momentum=1.5"])
 
 
+@pytest.mark.parametrize(
+    "umap, words",
+    [
+        ("{metric: bogus}", r"umap\.metric: 'bogus' is not one of euclidean"),  # was a traceback mid-run
+        ("{metric: mahalanobis}", r"umap\.metric: 'mahalanobis' is not one of"),  # needs a matrix V
+        ("{min_dist: 2}", r"umap\.min_dist: 2\.0 is above the maximum 1"),  # UMAP: min_dist <= spread
+    ],
+)
+def test_umap_settings_that_umap_would_refuse_mid_run_are_refused_first(umap, words):
+    with pytest.raises(ConfigError, match=words):
+        config.load(QUICKSTART, [f"methods=[{{name: flt, space: umap, umap: {umap}}}]"])
+
+
 def test_a_folder_given_as_the_scenario_points_to_flt_suite():
     with pytest.raises(ConfigError, match=r"scenarios: a folder, not a scenario file \(`flt suite .*scenarios` runs"):
         config.load(REPO / "scenarios")

@@ -115,11 +115,23 @@ ENCODER = {
     "finetune_lr": Field(float, 1e-3, "clients' Adam learning rate for fine-tuning", min=0, open_min=True),
     "finetune_batch": Field(int, 32, "clients' fine-tuning batch", min=1),
 }
+# umap-learn's named metrics that take no keyword (minkowski's p, mahalanobis's V, ...:
+# the schema has no place for one) and are defined on any real vector (hellinger needs
+# non-negative ones, haversine two columns, the rest are for binary or categorical data)
+UMAP_METRICS = (
+    "euclidean", "l2", "manhattan", "l1", "taxicab", "chebyshev", "linf", "linfinity", "linfty",
+    "cosine", "correlation", "canberra", "braycurtis",
+)  # fmt: skip
 UMAP = {
     "n_components": Field(int, 2, "u, the UMAP dimension", min=1),
     "n_neighbors": Field(int, 15, "UMAP n_neighbors", min=2),
-    "min_dist": Field(float, 0.1, "UMAP min_dist", min=0),
-    "metric": Field(str, "euclidean", "UMAP metric"),
+    "min_dist": Field(float, 0.1, "UMAP min_dist (at most its spread, 1)", min=0, max=1),
+    "metric": Field(
+        str,
+        "euclidean",
+        "UMAP metric: one of umap-learn's that needs no parameter and suits a real-valued embedding",
+        choices=UMAP_METRICS,
+    ),
 }
 
 
