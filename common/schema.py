@@ -55,7 +55,12 @@ class Field:
             value = float(value)
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             names = " or ".join(t.__name__ for t in types)
-            raise ConfigError(f"{where}: expected {names}, got {short(value)}")
+            if self.choices and types == (str,):
+                names = f"{names}: one of {', '.join(map(str, self.choices))}"
+            hint = ""
+            if isinstance(value, bool) and str in types:  # YAML 1.1: on/off/yes/no are booleans
+                hint = " (YAML reads an unquoted on, off, yes or no as true/false: quote the word)"
+            raise ConfigError(f"{where}: expected {names}, got {short(value)}{hint}")
         if self.choices is not None and isinstance(value, str) and value not in self.choices:
             raise ConfigError(f"{where}: {short(value)} is not one of {', '.join(map(str, self.choices))}")
         if isinstance(value, float) and not math.isfinite(value):

@@ -258,6 +258,15 @@ def test_a_key_given_twice_is_refused_naming_it_and_its_line(tmp_path):
     assert merged == {"a": {"b": 1}, "c": {"b": 2}}
 
 
+def test_a_yaml_boolean_word_where_text_is_expected_says_to_quote_it():
+    """YAML 1.1 reads `security: on` as True: "expected str, got True" named no cause."""
+    with pytest.raises(ConfigError, match=r"security: expected str: one of auto, curve, none, got True \(YAML"):
+        config.load(QUICKSTART, ["devices.security=on"])
+    with pytest.raises(ConfigError, match=r"name: expected str, got False \(YAML reads an unquoted on, off, yes or no"):
+        config.load(QUICKSTART, ["name=no"])
+    assert config.load(QUICKSTART, ["name='no'"])["name"] == "no"
+
+
 def test_exponent_floats_are_numbers_in_files_and_set(tmp_path):
     """PyYAML (YAML 1.1) reads 1e-3 as text: `lr: 1e-3` was refused as "expected float"."""
     assert config.load(QUICKSTART, ["train.lr=1e-3"])["train"]["lr"] == 1e-3
@@ -445,6 +454,25 @@ def test_devices_that_never_connect_exit_3_with_one_line(tmp_path):
         str(tmp_path / "run"),
     )
     assert_one_line_error(res, 3, "0 of 1 devices connected")
+
+
+@pytest.mark.parametrize("bind", ["bogus", "tcp://127.0.0.1:99999", "tcp://127.0.0.1:0", "tcp://host", "ipc://"])
+def test_a_server_address_zeromq_would_refuse_or_wrap_is_refused_first(bind):
+    """ZeroMQ binds port 99999 as 34463 without a word; `bogus` was a traceback."""
+    with pytest.raises(ConfigError, match=r"devices\.bind: expected tcp://HOST:PORT \(PORT 1\.\.65535"):
+        config.load(QUICKSTART, [f"devices.bind={bind}"])
+    for good in ("tcp://0.0.0.0:5555", "tcp://127.0.0.1:*", "ipc:///tmp/flt.sock", "tcp://edge.lan:65535"):
+        assert config.load(QUICKSTART, [f"devices.bind={good}"])["devices"]["bind"] == good
+
+
+@pytest.mark.slow
+def test_a_port_another_program_holds_is_one_line_naming_devices_bind(tmp_path):
+    import zmq
+
+    with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as holder:
+        port = holder.bind_to_random_port("tcp://127.0.0.1")
+        res = flt("run", str(QUICKSTART), "--set", f"devices.bind=tcp://127.0.0.1:{port}", "--out", str(tmp_path))
+    assert_one_line_error(res, 2, f"devices.bind: cannot listen on 'tcp://127.0.0.1:{port}': Address already in use")
 
 
 def test_every_user_facing_error_shares_the_base():
