@@ -150,12 +150,29 @@ TRAIN = {
     ),
 }
 
+
+def bind_problem(endpoint: str) -> str | None:
+    """What a server address must look like (ZeroMQ wraps a port past 65535 round to
+    another one without a word), or None."""
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return None
+    m = re.fullmatch(r"tcp://([^:/]+|\[[0-9a-fA-F:.]+\]):(\*|[0-9]{1,5})", endpoint)
+    if m and (m[2] == "*" or 1 <= int(m[2]) <= 65535):
+        return None
+    return "tcp://HOST:PORT (PORT 1..65535, or * for any free one) or ipc://PATH"
+
+
 DEVICES = {
     "processes": Field(int, None, "device processes started here (default: CPU cores)", nullable=True, min=0),
     "external": Field(
         int, 0, "devices started by hand with `flt device --connect` (other hosts) that the run waits for", min=0
     ),
-    "bind": Field(str, "tcp://127.0.0.1:*", "server address; tcp://0.0.0.0:5555 accepts other hosts"),
+    "bind": Field(
+        str,
+        "tcp://127.0.0.1:*",
+        "server address; tcp://0.0.0.0:5555 accepts other hosts",
+        rule=bind_problem,
+    ),
     "threads": Field(int, 1, "torch threads per device process", min=1),
     "accelerator": Field(
         str,

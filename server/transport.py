@@ -21,7 +21,7 @@ from typing import cast
 import numpy as np
 import zmq
 
-from flt.common.errors import DeviceError, short
+from flt.common.errors import DeviceError, FltError, short
 from flt.common.interrupts import deferred_interrupt
 from flt.common.wire import MAX_HEADER_BYTES, TRAFFIC_CLASSES, Message, ProtocolError, decode, encode, frame_bytes
 from flt.server.auth import Gate, Refused
@@ -123,7 +123,11 @@ class Transport:
         self.sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))  # zmq.Again: it stopped reading
         self.gate.secure(self.sock)  # CURVE must be set before bind
         self._limit_inbound(max_inbound)  # so must the size limit: the listener copies it
-        self.sock.bind(endpoint)
+        try:
+            self.sock.bind(endpoint)
+        except zmq.ZMQError as exc:  # a typo in the address, or a port another program holds
+            self.sock.close()
+            raise FltError(f"devices.bind: cannot listen on {short(endpoint)}: {exc.strerror}") from None
         # the server names each connection (routing ids are libzmq's, never the device's choice)
         self.routes: dict[str, bytes] = {}  # device name -> routing id
         self.names: dict[bytes, str] = {}  # routing id -> device name
