@@ -66,7 +66,7 @@ def load_run(path: Path) -> Run:
         summary = json.loads((path / "summary.json").read_text())
     except ValueError as exc:
         raise ConfigError(f"{path / 'summary.json'}: not valid JSON ({exc})") from None
-    if not isinstance(summary.get("methods"), dict):
+    if not isinstance(summary, dict) or not isinstance(summary.get("methods"), dict):
         raise ConfigError(f"{path / 'summary.json'}: no 'methods' mapping")
     config = path / "config.yaml"
     command = path / "command.txt"

@@ -147,10 +147,14 @@ def finished_methods(run_dir: Path, cfg: dict) -> dict:
         summary = json.loads(path.read_text()) if path.exists() else {}
     except ValueError as exc:  # written atomically, so not a torn write: a damaged file
         raise ConfigError(f"{path}: not valid JSON ({exc}); remove it to rerun every method") from None
+    if not isinstance(summary, dict) or not isinstance(summary.get("methods", {}), dict):
+        raise ConfigError(f"{path}: not a run's summary (no 'methods' mapping); remove it to rerun every method")
     done = {
         label: m
-        for label, m in (summary.get("methods") or {}).items()
-        if m.get("rounds") == cfg["train"]["rounds"] and (run_dir / label / "metrics.jsonl").is_file()
+        for label, m in summary.get("methods", {}).items()
+        if isinstance(m, dict)
+        and m.get("rounds") == cfg["train"]["rounds"]
+        and (run_dir / label / "metrics.jsonl").is_file()
     }
     return {"scenario": cfg["name"], "methods": done, "partition_notes": summary.get("partition_notes", [])}
 
@@ -212,15 +216,22 @@ def read_metrics(run_dir: Path, label: str) -> list[dict]:
     """A method's records, one per round (metrics.jsonl). A last line that does not parse
     is a record torn by a killed run (resuming drops it too); one before it is damage."""
     path = run_dir / label / "metrics.jsonl"
-    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    try:
+        text = path.read_text() if path.exists() else ""
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}): not a run's records") from None
+    lines = [line for line in text.splitlines() if line.strip()]
     records = []
     for i, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError as exc:
             if i == len(lines):
                 break
             raise ConfigError(f"{path}: line {i} is not valid JSON ({exc})") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"{path}: line {i} is a JSON {type(record).__name__}, not one round's record")
+        records.append(record)
     return records
 
 

@@ -190,6 +190,21 @@ def test_a_folder_of_runs_is_expanded_and_a_wrong_folder_named(tmp_path):
         html_report.run_folders([tmp_path / "empty"])
 
 
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (("summary.json", b"[1, 2]"), r"summary\.json: no 'methods' mapping"),
+        (("fedavg/metrics.jsonl", b"\xff\xfe"), r"metrics\.jsonl: not UTF-8 text \(invalid start byte at byte 0\)"),
+        (("fedavg/metrics.jsonl", b"1\n{}\n"), r"metrics\.jsonl: line 1 is a JSON int, not one round's record"),
+    ],
+)
+def test_a_damaged_run_folder_is_named_not_a_traceback(tmp_path, damage, words):
+    run = fake_run(tmp_path / "run")
+    (run / damage[0]).write_bytes(damage[1])
+    with pytest.raises(ConfigError, match=words):
+        html_report.build([run], tmp_path / "out")
+
+
 def test_final_table_gives_clusters_ari_and_emulated_time(tmp_path):
     summary = json.loads((fake_run(tmp_path / "run") / "summary.json").read_text())
     lines = table(summary).splitlines()

@@ -23,7 +23,7 @@ from flt.emulator import config
 from flt.emulator.clock import EmulatedClock
 from flt.emulator.config import parse_methods
 from flt.emulator.population import Population, Schedule
-from flt.reports.summary import read_metrics, split_timing
+from flt.reports.summary import finished_methods, read_metrics, split_timing
 from flt.server import checkpoint
 from flt.server.checkpoint import CheckpointError
 from flt.server.federation import CheckpointPacer
@@ -392,3 +392,16 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monk
     folders = [run.make_run_dir(cfg, None) for _ in range(3)]
     assert [f.name for f in folders] == [f"quickstart-20261201-170000{s}" for s in ("", "-2", "-3")]
     assert all((f / "config.yaml").is_file() for f in folders)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '{"methods": [1]}'])
+def test_resume_names_a_summary_that_is_json_but_not_a_runs(tmp_path, text):
+    """Valid JSON of the wrong shape was an AttributeError deep in resume."""
+    (tmp_path / "summary.json").write_text(text)
+    with pytest.raises(config.ConfigError, match=r"summary\.json: not a run's summary \(no 'methods' mapping\)"):
+        finished_methods(tmp_path, config.load(QUICKSTART))
+
+
+def test_resume_reruns_a_method_whose_summary_entry_is_not_a_mapping(tmp_path):
+    (tmp_path / "summary.json").write_text('{"methods": {"fedavg": 3}}')
+    assert finished_methods(tmp_path, config.load(QUICKSTART))["methods"] == {}
