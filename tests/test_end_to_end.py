@@ -331,3 +331,33 @@ def test_every_method_runs_over_real_processes_and_matches_its_byte_formula(tmp_
     assert methods["local"]["bytes_payload"]["up"]["model"] == 0
     for line in ("method", "fedavg", "ifca", "flt"):
         assert line in res.stdout
+
+
+def _table_rows(text: str) -> dict[str, list[str]]:
+    """The rows of the final table for the quickstart's two methods: method -> its cells."""
+    return {line.split()[0]: line.split()[1:] for line in text.splitlines() if line.startswith(("fedavg ", "flt "))}
+
+
+def _readme_rows() -> dict[str, list[str]]:
+    """The quickstart table the README shows."""
+    text = (REPO / "README.md").read_text()
+    return _table_rows(text.split("The quickstart ends with a table", 1)[1].split("```", 2)[1])
+
+
+def test_the_readme_quickstart_table_is_what_the_command_prints(tmp_path):
+    """The README's main job, as written (no --set): its table must not drift from the
+    code (FLT's bytes did once, by 0.11 MB). Accuracy within 2 points and bytes within
+    0.02 MB, so another machine's float rounding does not fail it; clusters and ARI exactly."""
+    res = flt("run", str(QUICKSTART), "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    readme = _readme_rows()
+    got = _table_rows(res.stdout)
+    assert set(got) == set(readme) == {"fedavg", "flt"}
+    for method, cells in readme.items():
+        ours = got[method]
+        for col in range(4):  # final acc, s.e., variance, best
+            tolerance = 50.0 if col == 2 else 2.0  # variance is in %^2
+            assert abs(float(ours[col]) - float(cells[col])) <= tolerance, (method, col, ours, cells)
+        for col in (4, 5, 6):  # up MB, down MB, overhead MB: headers carry floats, a few bytes each
+            assert float(ours[col]) == pytest.approx(float(cells[col]), abs=0.02), (method, col, ours, cells)
+        assert ours[7:10] == cells[7:10], (method, ours, cells)  # vs formula, clusters, ARI
