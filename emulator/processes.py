@@ -152,7 +152,7 @@ class DeviceFleet:
                     f"{self.procs[dead[0]].returncode} before connecting:\n{self.tail(dead[0])}"
                 )
             if time.monotonic() > deadline:
-                raise DeviceError(f"device processes did not connect within {timeout_s:.0f} s")
+                raise DeviceError(f"device processes did not connect within {timeout_s:g} s")
             got = transport.recv(0.5)
             if got:
                 transport._hello(*got)

@@ -214,7 +214,7 @@ def _await_ready(transport: Transport, expected: dict[str, list[int]], timeout_s
     while waiting:
         got = transport.recv(max(0.0, deadline - time.monotonic()))
         if got is None:
-            failed.update({d: f"did not load its clients within {timeout_s:.0f} s" for d in waiting})
+            failed.update({d: f"did not load its clients within {timeout_s:g} s" for d in waiting})
             break
         device, msg = got
         if device not in waiting or msg.kind not in ("ready", "error"):

@@ -187,7 +187,7 @@ class Zygote:
             if msg is None and self.ended:
                 raise DeviceError(f"the device zygote (pid {self.pid}) has ended")
             if msg is None:
-                raise DeviceError(f"the device zygote (pid {self.pid}) did not fork a device within {timeout_s:.0f} s")
+                raise DeviceError(f"the device zygote (pid {self.pid}) did not fork a device within {timeout_s:g} s")
             if "started" in msg:
                 return int(msg["started"])
 

@@ -269,7 +269,7 @@ class Transport:
         while len(self.devices) < n:
             got = self.recv(max(0.0, deadline - time.monotonic()))
             if got is None:
-                raise DeviceError(f"only {len(self.devices)} of {n} devices connected within {timeout_s:.0f} s")
+                raise DeviceError(f"only {len(self.devices)} of {n} devices connected within {timeout_s:g} s")
             self._hello(*got)
         return list(self.devices)
 
@@ -355,7 +355,7 @@ class Transport:
                 self._drop_dead(waiting, dest)
                 if time.monotonic() >= deadline:
                     log.error(
-                        "%s: %d clients did not answer within %.0f s: %s",
+                        "%s: %d clients did not answer within %g s: %s",
                         reply if isinstance(reply, str) else "/".join(sorted(set(reply.values()))),
                         len(waiting),
                         timeout_s,
