@@ -60,9 +60,24 @@ def _model_problem(task: Message, reply: Message, stays: bool) -> tuple[str, str
     model, size = reply.tensors.get("model"), task.tensors["model"].shape[-1]
     if model is None or model.dtype != np.float32 or model.shape != (size,) or len(reply.tensors) != 1:
         return "bad model", f"expected one float32 model of {size} parameters"
+    return _magnitude_problem(model, "update")
+
+
+# Largest |weight| a model may carry. Finite float32 weights of 1e37 pass a NaN check yet
+# overflow the weighted average (n x w past 3.4e38) and leave every client an infinite
+# model from then on; below 1e18, sums over any real population's samples stay finite.
+# No trained network comes near it (MNIST's MLP: |w| < 10).
+MAX_WEIGHT = 1e18
+
+
+def _magnitude_problem(model: np.ndarray, what: str) -> tuple[str, str] | None:
+    """Why a model must not be averaged: NaN, infinity or overflow-sized weights (one pass)."""
+    largest = float(np.abs(model).max()) if model.size else 0.0
+    if largest <= MAX_WEIGHT:
+        return None
     if not np.isfinite(model).all():
-        return "non-finite update", f"{int((~np.isfinite(model)).sum())} of {size} parameters are NaN or inf"
-    return None
+        return f"non-finite {what}", f"{int((~np.isfinite(model)).sum())} of {model.size} parameters are NaN or inf"
+    return f"non-finite {what}", f"a weight of {largest:.3g}, past {MAX_WEIGHT:g}: it would overflow the average"
 
 
 def metrics_check(sizes: ShardSizes | None) -> Check:
@@ -207,9 +222,7 @@ def state_check(model_size: int | None) -> Check:
         size = model_size if model_size is not None else (model.size if model is not None else 0)
         if model is None or model.dtype != np.float32 or model.shape != (size,) or len(reply.tensors) != 1:
             return "bad state", f"expected no tensor or one float32 model of {size} parameters"
-        if not np.isfinite(model).all():
-            return "non-finite state", f"{int((~np.isfinite(model)).sum())} of {size} parameters are NaN or inf"
-        return None
+        return _magnitude_problem(model, "state")
 
     return check
 

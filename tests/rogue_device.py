@@ -35,13 +35,20 @@ from flt.devices.device import Device
 from flt.emulator.zygote import preload
 
 REPLIES = ("ready", "update", "metrics", "centroids", "state")  # a reply to assign, train, evaluate, encoder, snapshot
-MODES = ("missing", "malformed", "wrong", "late", "narrow")
+MODES = ("missing", "malformed", "wrong", "late", "narrow", "huge")
 
 
 def narrow(msg: Message) -> Message:
     """Centroids (and halves) one column narrower than the encoder's embedding: each
     client's summary is well-formed on its own, only the run's width tells it wrong."""
     tensors = {k: v[:, :-1] if k in ("centroids", "halves") else v for k, v in msg.tensors.items()}
+    return Message(msg.kind, msg.round, msg.client, tensors=tensors, meta=dict(msg.meta), run=msg.run)
+
+
+def huge(msg: Message) -> Message:
+    """An update whose every weight is 1e37: finite, of the right size and type, and past
+    float32's range once the server weighs it by the client's sample count."""
+    tensors = {k: np.full_like(v, 1e37) if k == "model" else v for k, v in msg.tensors.items()}
     return Message(msg.kind, msg.round, msg.client, tensors=tensors, meta=dict(msg.meta), run=msg.run)
 
 
@@ -85,6 +92,8 @@ class RogueDevice(Device):
             super().send(wrong(msg))
         elif self.mode == "narrow":
             super().send(narrow(msg) if msg.kind == "centroids" else msg)
+        elif self.mode == "huge":
+            super().send(huge(msg) if msg.kind == "update" else msg)
         elif self.mode == "late":
             self.held.append(msg)
 

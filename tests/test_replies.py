@@ -30,6 +30,7 @@ def _update(model=ONES, **meta):
 
 def test_an_honest_update_passes():
     assert update_check(_train(), SIZES)(3, _update()) is None
+    assert update_check(_train(), SIZES)(3, _update(model=np.full(P, -1e18, np.float32))) is None  # the bound
     assert update_check(_train(resident=True), SIZES, STAYS)(3, _update(model=None)) is None
     assert update_check(_train(candidates=3), SIZES)(3, _update(choice=2)) is None
 
@@ -51,6 +52,8 @@ def test_an_honest_update_passes():
         (_update(model=None), "bad model"),
         (_update(model=np.array([1, np.nan, 0, 0, 0, 0], np.float32)), "non-finite update"),
         (_update(model=np.array([np.inf] * P, np.float32)), "non-finite update"),
+        (_update(model=np.full(P, 1e37, np.float32)), "non-finite update"),  # overflows n x w
+        (_update(model=np.array([0, 0, -2e18, 0, 0, 0], np.float32)), "non-finite update"),
     ],
 )
 def test_a_dishonest_update_is_rejected_with_its_reason(reply, reason):

@@ -123,6 +123,19 @@ def test_a_device_that_answers_each_request_wrongly_leaves_a_finished_run(tmp_pa
 
 
 @pytest.mark.slow
+def test_a_finite_update_too_large_to_average_is_rejected_not_averaged(tmp_path):
+    """Weights of 1e37 passed the NaN check; weighed by 50 samples they overflow float32,
+    and the rogue's clusters were left with infinite models (accuracy at chance)."""
+    res, rogue_log = run_with_rogue(tmp_path, "huge", "update", "train.rounds=3")
+    summary = assert_finished_on_disk(tmp_path, res, rounds=3)
+    assert "rogue: huge update" in rogue_log
+    assert summary["rejected"]["rejected_reasons"]["non-finite update"]["messages"] >= 1
+    assert "past 1e+18: it would overflow the average" in res.stderr
+    last = json.loads((tmp_path / "flt" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["acc_mean"] > 60, last  # the quickstart's FLT after 3 rounds: about 90
+
+
+@pytest.mark.slow
 def test_centroids_narrower_than_the_encoders_embedding_are_rejected_not_fatal(tmp_path):
     """Each client's centroids looked well-formed on their own; one column short of the
     encoder's width, they reached the server's set distance beside everyone else's."""
