@@ -184,15 +184,23 @@ def centroids_check(
 
 
 _PLURAL = {"centroid": "centroids", "half": "halves"}
+# Largest |value| of an embedding row. The encoders FCR sends give values of order 1 to
+# 100 (a PCA basis: at most the square root of the image size); rows of 1e37 passed the
+# NaN check, squashed every honest client's differences in the whitening, and float64
+# rows of 1e300 overflowed the set distance to inf and ended the run in the linkage.
+# Below 1e15, squared distances over up to 1e5 dimensions stay finite even in float32.
+MAX_EMBEDDING = 1e15
 
 
 def _summary_fault(c: np.ndarray, w: np.ndarray, max_k: int, labelled: bool, what: str) -> tuple[str, str] | None:
     """One summary of a client's data: 1..max_k finite float rows (with `labelled`, a last
     column of distinct classes in [0, max_k)) and a share per row, >= 0, summing to 1."""
-    if c.ndim != 2 or not 1 <= c.shape[0] <= max_k or c.dtype.kind != "f":
-        return f"bad {_PLURAL[what]}", f"expected one float k x e array, k in 1..{max_k}, and its shares"
+    if c.ndim != 2 or not 1 <= c.shape[0] <= max_k or c.dtype != np.float32:
+        return f"bad {_PLURAL[what]}", f"expected one float32 k x e array, k in 1..{max_k}, and its shares"
     if not np.isfinite(c).all():
         return f"non-finite {_PLURAL[what]}", f"NaN or inf in the {_PLURAL[what]}"
+    if c.size and (largest := float(np.abs(c).max())) > MAX_EMBEDDING:
+        return f"non-finite {_PLURAL[what]}", f"a value of {largest:.3g}, past {MAX_EMBEDDING:g}: no encoder's output"
     if w.shape != (c.shape[0],) or w.dtype.kind != "f" or not np.isfinite(w).all():
         return "bad shares", f"expected {c.shape[0]} finite float shares, one per {what}"
     if w.min() < 0 or abs(float(w.sum()) - 1) > 1e-3:

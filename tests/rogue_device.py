@@ -46,9 +46,10 @@ def narrow(msg: Message) -> Message:
 
 
 def huge(msg: Message) -> Message:
-    """An update whose every weight is 1e37: finite, of the right size and type, and past
-    float32's range once the server weighs it by the client's sample count."""
-    tensors = {k: np.full_like(v, 1e37) if k == "model" else v for k, v in msg.tensors.items()}
+    """An update whose every weight is 1e37 (finite, of the right size and type, and past
+    float32's range once the server weighs it by the client's sample count), or centroids
+    of 1e37, which dwarf every honest client's in the server's whitening."""
+    tensors = {k: np.full_like(v, 1e37) if k in ("model", "centroids", "halves") else v for k, v in msg.tensors.items()}
     return Message(msg.kind, msg.round, msg.client, tensors=tensors, meta=dict(msg.meta), run=msg.run)
 
 
@@ -93,7 +94,7 @@ class RogueDevice(Device):
         elif self.mode == "narrow":
             super().send(narrow(msg) if msg.kind == "centroids" else msg)
         elif self.mode == "huge":
-            super().send(huge(msg) if msg.kind == "update" else msg)
+            super().send(huge(msg) if msg.kind in ("update", "centroids") else msg)
         elif self.mode == "late":
             self.held.append(msg)
 

@@ -106,6 +106,9 @@ def test_evaluation_totals_must_match_the_test_shard(correct, total, ok):
         (np.ones(128, np.float32), 50, "bad centroids"),
         (np.ones((5, 128), np.int64), 50, "bad centroids"),
         (np.full((5, 128), np.nan, np.float32), 50, "non-finite centroids"),
+        (np.full((5, 128), 1e300), 50, "bad centroids"),  # float64: its squares overflowed the set distance
+        (np.full((5, 128), -1e37, np.float32), 50, "non-finite centroids"),  # dwarfed every honest client
+        (np.full((5, 128), -1e15, np.float32), 50, None),  # the bound
     ],
 )
 def test_centroids_are_checked(centroids, n, reason):

@@ -136,6 +136,19 @@ def test_a_finite_update_too_large_to_average_is_rejected_not_averaged(tmp_path)
 
 
 @pytest.mark.slow
+def test_centroids_too_large_for_any_encoder_are_rejected_and_the_rest_clustered(tmp_path):
+    """Finite float32 centroids of 1e37 from the rogue's 10 clients made FCR's whitening
+    see the 10 honest clients as one point: 2 clusters for their 3 (ARI 0.26)."""
+    res, rogue_log = run_with_rogue(tmp_path, "huge", "centroids")
+    summary = assert_finished_on_disk(tmp_path, res)
+    assert "rogue: huge centroids" in rogue_log
+    assert summary["rejected"]["rejected_reasons"]["non-finite centroids"]["messages"] == len(ROGUE_CLIENTS)
+    fcr = summary["methods"]["flt"]["fcr"]
+    assert fcr["unassigned"] == ROGUE_CLIENTS
+    assert fcr["clusters"] == 3 and fcr["ari"] == pytest.approx(1.0), fcr  # clients 0-9: clusters 0, 1, half of 2
+
+
+@pytest.mark.slow
 def test_centroids_narrower_than_the_encoders_embedding_are_rejected_not_fatal(tmp_path):
     """Each client's centroids looked well-formed on their own; one column short of the
     encoder's width, they reached the server's set distance beside everyone else's."""
