@@ -38,20 +38,27 @@ class ConvAE(nn.Module):
 
     ``channels`` is the bottleneck's width (the second conv's output): the paper's 4 keeps
     a quarter of a 28x28 grey image's values, a twelfth of a 32x32 colour image's.
-    H and W must be divisible by 4 so the two 2x transposed convs restore the input size.
+    Two 2x poolings need H and W divisible by 4: other sizes (an image folder of 10 x 14
+    pictures) are padded with zeros on the bottom and right to the next multiple of 4 on
+    the way in, and the reconstruction is cropped back. 28 x 28 and 32 x 32 need neither,
+    so their networks (and ONNX bytes) are the paper's.
     """
 
     def __init__(self, in_shape: tuple[int, int, int] = (1, 28, 28), latent: int = 128, channels: int = PAPER_CHANNELS):
         super().__init__()
         c, h, w = (int(s) for s in in_shape)
-        if h % 4 or w % 4:
-            raise ValueError(f"ConvAE needs H and W divisible by 4, got {in_shape}")
+        if min(c, h, w) < 1:
+            raise ValueError(f"ConvAE needs images of at least 1 x 1 pixel, got {in_shape}")
         self.in_shape = (c, h, w)
         self.latent = int(latent)
         self.channels = int(channels)
-        bottleneck = (self.channels, h // 4, w // 4)
-        d = self.channels * (h // 4) * (w // 4)
+        ph, pw = -h % 4, -w % 4
+        pad: list[nn.Module] = [nn.ZeroPad2d((0, pw, 0, ph))] if ph or pw else []
+        crop: list[nn.Module] = [_Crop(h, w)] if ph or pw else []
+        bottleneck = (self.channels, (h + ph) // 4, (w + pw) // 4)
+        d = self.channels * bottleneck[1] * bottleneck[2]
         self.encoder = nn.Sequential(
+            *pad,
             nn.Conv2d(c, 16, 3, padding=1),
             nn.ReLU(),
             nn.MaxPool2d(2),
@@ -68,6 +75,7 @@ class ConvAE(nn.Module):
             nn.ConvTranspose2d(self.channels, 16, 2, stride=2),
             nn.ReLU(),
             nn.ConvTranspose2d(16, c, 2, stride=2),
+            *crop,
             nn.Sigmoid(),  # inputs are scaled to [0, 1]
         )
 
@@ -78,6 +86,17 @@ class ConvAE(nn.Module):
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Embedding ``[N, latent]``."""
         return self.encoder(x)
+
+
+class _Crop(nn.Module):
+    """The top-left h x w of a batch of images: undoes ConvAE's padding."""
+
+    def __init__(self, h: int, w: int):
+        super().__init__()
+        self.h, self.w = h, w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., : self.h, : self.w]
 
 
 def export_encoder_onnx(ae: ConvAE, in_shape: tuple[int, int, int]) -> bytes:

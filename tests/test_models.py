@@ -149,7 +149,7 @@ def test_vmap_functional_call_matches_separate_modules(name):
 # ---------------------------------------------------------------- ConvAE
 
 
-@pytest.mark.parametrize("in_shape", [(1, 28, 28), (3, 32, 32)])
+@pytest.mark.parametrize("in_shape", [(1, 28, 28), (3, 32, 32), (3, 10, 14), (1, 30, 30), (3, 3, 3), (1, 1, 1)])
 def test_convae_shapes(in_shape):
     torch.manual_seed(0)
     ae = ConvAE(in_shape)
@@ -165,8 +165,19 @@ def test_convae_paper_sizes():
     ae = ConvAE((1, 28, 28))
     assert ae.encoder[-1].in_features == 196 and ae.encoder[-1].out_features == 128
     assert not any(isinstance(x, torch.nn.modules.batchnorm._BatchNorm) for x in ae.modules())
-    with pytest.raises(ValueError):
-        ConvAE((1, 30, 30))
+    assert not any(isinstance(x, torch.nn.ZeroPad2d) for x in ae.modules())  # the paper's network, unpadded
+    odd = ConvAE((1, 30, 30))  # padded to 32 x 32: an 8 x 8 bottleneck
+    assert isinstance(odd.encoder[0], torch.nn.ZeroPad2d) and odd.encoder[-1].in_features == 4 * 8 * 8
+
+
+def test_onnx_parity_for_an_image_size_that_needs_padding():
+    """An image folder of 10 x 14 pictures was a traceback ("divisible by 4") after the
+    FedAvg rows had run; the padded encoder exports and matches torch in onnxruntime."""
+    torch.manual_seed(0)
+    ae = ConvAE((3, 10, 14))
+    sess = onnx_session(export_encoder_onnx(ae, (3, 10, 14)))
+    x = np.random.default_rng(0).random((9, 3, 10, 14), dtype=np.float32)
+    _assert_parity(ae, sess, x, batch=4)
 
 
 def test_convae_wider_bottleneck_travels_both_ways():
