@@ -538,10 +538,13 @@ def _decode_images(items: list[tuple[str, bytes]]) -> np.ndarray:
     except Exception:  # old torchvision without batched decode, odd JPEGs: PIL below
         pass
     images: list[np.ndarray] = []
-    for (_, data), a in zip(items, out, strict=True):
+    for (file, data), a in zip(items, out, strict=True):
         if a is None:
-            with Image.open(io.BytesIO(data)) as im:
-                a = np.asarray(im.convert("RGB")).transpose(2, 0, 1)
+            try:
+                with Image.open(io.BytesIO(data)) as im:
+                    a = np.asarray(im.convert("RGB")).transpose(2, 0, 1)
+            except (OSError, ValueError, Image.DecompressionBombError) as exc:  # PIL's errors for a bad file
+                raise DataError(f"{file}: not an image PIL can read ({type(exc).__name__}); remove it") from None
         images.append(a)
     if not images:
         return np.zeros((0, 3, 0, 0), np.uint8)
@@ -579,7 +582,7 @@ def _load_imagefolder(name: str, root: Path | None, train: bool, download: bool)
         arrays = {"classes": np.array(classes, dtype=str)}
         for part in ("train", "test"):
             sel = [t for t in items if t[0] == part]
-            arrays[f"x_{part}"] = _decode_images([(f, b) for _, _, f, b in sel])
+            arrays[f"x_{part}"] = _decode_images([(f"{source}/{sp}/{c}/{f}", b) for sp, c, f, b in sel])
             arrays[f"y_{part}"] = np.array([cidx[c] for _, c, _, _ in sel], dtype=np.int64)
         save_npz_atomic(npz, **arrays)
     with np.load(npz, allow_pickle=False) as z:

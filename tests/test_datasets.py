@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flt_command import QUICKSTART, flt_run  # tests/ is on sys.path under pytest
 
 from flt.scenarios import datasets as ds
 from flt.scenarios.datasets import DATASETS, DataError, load_dataset, read_idx
@@ -266,6 +267,45 @@ def test_imagefolder_plain_tree_png(tmp_path):
         load_dataset("imagefolder", tmp_path / "tree", train=True),
         load_dataset("imagefolder", tmp_path / "tree", train=False),
     )
+
+
+@pytest.mark.parametrize("ext", [".png", ".jpg"])
+def test_an_image_that_does_not_decode_is_named_with_its_folder(tmp_path, ext):
+    """A truncated or mislabelled file in an image folder was a PIL traceback."""
+    write_tree(tmp_path / "tree", ext=ext)
+    (tmp_path / "tree" / "train" / "dog" / f"0001{ext}").write_bytes(b"not an image")
+    with pytest.raises(DataError, match=rf"tree/train/dog/0001\{ext}: not an image PIL can read \(Unidentified"):
+        load_dataset("imagefolder", tmp_path / "tree", train=True)
+
+
+@pytest.mark.slow
+def test_flt_runs_on_an_image_folder_whose_pictures_are_not_multiples_of_4(tmp_path):
+    """10 x 14 pictures: FLT's ConvAE raised "divisible by 4" after FedAvg had run; it
+    now pads them, and finds the two planted clusters."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 60), ("test", 20)):
+        for c in range(4):
+            (tmp_path / "tree" / split / f"c{c}").mkdir(parents=True)
+            for i in range(n):
+                pixels = (rng.random((10, 14, 3)) * 60 + c * 60).astype(np.uint8)
+                Image.fromarray(pixels).save(tmp_path / "tree" / split / f"c{c}" / f"{i}.png")
+    res = flt_run(
+        QUICKSTART,
+        tmp_path / "run",
+        "data.dataset=imagefolder",
+        f"data.root={tmp_path / 'tree'}",
+        "partition.clients=8",
+        "partition.clusters=2",
+        "partition.samples_per_client=20",
+        "partition.test_per_client=5",
+        "train.rounds=2",
+        "methods=[fedavg, {name: flt, encoder: {dataset: public, epochs: 2}}]",
+    )
+    assert res.returncode == 0, res.stderr
+    fcr = json.loads((tmp_path / "run" / "summary.json").read_text())["methods"]["flt"]["fcr"]
+    assert fcr["clusters"] == 2 and fcr["ari"] == 1.0, fcr
 
 
 @pytest.mark.parametrize("bad", ["../evil.jpg", "/abs/train/cat/0.jpg", "symlink"])
