@@ -336,6 +336,8 @@ def run_scenario(cfg: dict, out: str | None = None, progress: Progress = print, 
     load_encoder_sources(cfg)
     check_device_ops(cfg)
     batch_note = cap_batch(cfg["train"], partition)
+    with torch.random.fork_rng(devices=[]):  # a dry build: the model takes these images
+        initial_weights(cfg, train)
     if not resume:
         run_dir = make_run_dir(cfg, out)
         partition.save(run_dir / "partition.npz")

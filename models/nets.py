@@ -12,6 +12,8 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from flt.common.errors import FltError
+
 MODEL_NAMES = ("mlp", "leaf_cnn", "cifar_cnn")
 
 
@@ -102,7 +104,13 @@ def build_model(name: str, in_shape: tuple[int, int, int], num_classes: int, inp
     shape = tuple(int(s) for s in in_shape)
     if len(shape) != 3:
         raise ValueError(f"in_shape must be (C, H, W), got {shape}")
-    model = builder(shape, int(num_classes))
+    try:
+        model = builder(shape, int(num_classes))
+    except RuntimeError as exc:  # the dry run in _flat_dim: a kernel larger than what is left
+        raise FltError(
+            f"model: {name} cannot take {shape[1]} x {shape[2]} images ({str(exc).splitlines()[0]}); "
+            "mlp takes any size"
+        ) from None
     if inputs == "unit":
         return model
     # its layers keep their names ("0.weight", ...), so both variants share one ParamSpec

@@ -306,6 +306,12 @@ def test_flt_runs_on_an_image_folder_whose_pictures_are_not_multiples_of_4(tmp_p
     assert res.returncode == 0, res.stderr
     fcr = json.loads((tmp_path / "run" / "summary.json").read_text())["methods"]["flt"]["fcr"]
     assert fcr["clusters"] == 2 and fcr["ari"] == 1.0, fcr
+    # the CIFAR CNN's two 5x5 convolutions need 16 x 16: one line, before any run folder
+    small = flt_run(
+        QUICKSTART, tmp_path / "cnn", "data.dataset=imagefolder", f"data.root={tmp_path / 'tree'}", "model=cifar_cnn"
+    )
+    assert small.returncode == 2 and small.stderr.startswith("error: model: cifar_cnn cannot take 10 x 14 images (")
+    assert "Traceback" not in small.stderr and not (tmp_path / "cnn").exists()
 
 
 @pytest.mark.parametrize("bad", ["../evil.jpg", "/abs/train/cat/0.jpg", "symlink"])
@@ -484,6 +490,26 @@ def test_truncated_tarball_and_broken_leaf_json_are_data_errors(tmp_path):
     write_empty_leaf(tmp_path / "empty")
     with pytest.raises(DataError, match="no samples"):
         load_dataset("femnist", tmp_path / "empty", train=True)
+
+
+@pytest.mark.parametrize(
+    "record, words",
+    [
+        ({"x": [[0.5]], "y": [1]}, "cannot reshape"),  # one pixel, not 784
+        ({"x": [[0.5] * 784] * 2, "y": [1]}, "2 images, 1 labels"),
+        ({"x": [[0.5] * 784], "y": [-3]}, "labels >= 0"),
+        ({"x": [[0.5] * 784]}, "KeyError"),
+        ([1, 2], "TypeError"),
+    ],
+)
+def test_a_leaf_writer_of_the_wrong_shape_is_named_with_its_file(tmp_path, record, words):
+    """Valid JSON, wrong record: was a numpy traceback ("cannot reshape") on load."""
+    write_leaf(tmp_path / "leaf")
+    bad = tmp_path / "leaf" / "train" / "all_data_1.json"
+    bad.write_text(json.dumps({"users": ["f_c"], "user_data": {"f_c": record}}))
+    with pytest.raises(DataError, match=r"all_data_1\.json: writer 'f_c': expected 'x' of 784-pixel") as exc:
+        load_dataset("femnist", tmp_path / "leaf", train=True)
+    assert words in str(exc.value)
 
 
 def test_emnist_balanced_feeds_s4s_structured_sampler(tmp_path):
