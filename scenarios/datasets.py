@@ -616,12 +616,12 @@ def _load_femnist(root: Path | None, train: bool, download: bool) -> Dataset:
             for p in files:
                 d = _leaf_json(p)
                 for u in d["users"]:
-                    ud = d["user_data"][u]
-                    if len(ud["y"]) == 0:
+                    x, y = _leaf_user(p, u, d["user_data"][u])
+                    if len(y) == 0:
                         continue
-                    xs.append(np.asarray(ud["x"], dtype=np.float32).reshape(-1, 28, 28))
-                    ys.append(np.asarray(ud["y"], dtype=np.int64))
-                    users.append((u, len(ud["y"])))
+                    xs.append(x)
+                    ys.append(y)
+                    users.append((u, len(y)))
             parsed[part] = (xs, ys, users)
         all_users = sorted({u for part in parsed.values() for u, _ in part[2]})
         lookup = {u: i for i, u in enumerate(all_users)}
@@ -648,6 +648,22 @@ def _load_femnist(root: Path | None, train: bool, download: bool) -> Dataset:
             groups=z[f"g_{part}"],
             group_names=[str(u) for u in z["group_names"]],
         )
+
+
+def _leaf_user(path: Path, user: str, data: dict) -> tuple[np.ndarray, np.ndarray]:
+    """One writer's images [n, 28, 28] (floats in [0, 1], LEAF's) and labels; a record of
+    another shape is a DataError naming the file and the writer."""
+    try:
+        x = np.asarray(data["x"], dtype=np.float32).reshape(-1, 28, 28)
+        y = np.asarray(data["y"], dtype=np.int64).reshape(-1)
+        if len(x) != len(y) or not np.isfinite(x).all() or (len(y) and y.min() < 0):
+            raise ValueError(f"{len(x)} images, {len(y)} labels")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DataError(
+            f"{path}: writer {short(user)}: expected 'x' of 784-pixel images and 'y' of as many "
+            f"class labels >= 0 ({type(exc).__name__}: {short(str(exc))})"
+        ) from None
+    return x, y
 
 
 def _leaf_json(path: Path) -> dict:
