@@ -108,8 +108,7 @@ def build_model(name: str, in_shape: tuple[int, int, int], num_classes: int, inp
         model = builder(shape, int(num_classes))
     except RuntimeError as exc:  # the dry run in _flat_dim: a kernel larger than what is left
         raise FltError(
-            f"model: {name} cannot take {shape[1]} x {shape[2]} images ({str(exc).splitlines()[0]}); "
-            "mlp takes any size"
+            f"model: {name} cannot take {shape[1]} x {shape[2]} images ({str(exc).splitlines()[0]}); mlp takes any size"
         ) from None
     if inputs == "unit":
         return model
