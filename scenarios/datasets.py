@@ -712,6 +712,12 @@ def load_dataset(name: str, root: str | os.PathLike | None, train: bool, downloa
             f"dataset '{name}' (root {r}): the {'train' if train else 'test'} split holds "
             f"{len(ds)} images of {ds.num_classes} classes"
         )
+    low, high = int(ds.y.min()), int(ds.y.max())
+    if low < 0 or high >= ds.num_classes:  # would index past the model's outputs mid-run
+        raise DataError(
+            f"dataset '{name}' (root {r}): the {'train' if train else 'test'} split's labels run "
+            f"from {low} to {high}, outside its {ds.num_classes} classes 0..{ds.num_classes - 1}"
+        )
     return ds
 
 

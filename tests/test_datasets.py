@@ -457,6 +457,16 @@ def test_an_empty_dataset_is_a_data_error_naming_dataset_and_root(tmp_path):
     assert "'mnist'" in str(exc.value) and str(tmp_path) in str(exc.value) and "0 images" in str(exc.value)
 
 
+def test_labels_outside_the_datasets_classes_are_a_data_error(tmp_path):
+    """MNIST-format files with labels up to 199: the run went on to fail far away (every
+    device's k-means on empty shards, "FCR: no client sent centroids")."""
+    rng = np.random.default_rng(0)
+    write_idx(tmp_path / "train-images-idx3-ubyte.gz", rand_images(rng, 50))
+    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", np.full(50, 199, np.uint8))
+    with pytest.raises(DataError, match=r"train split's labels run from 199 to 199, outside its 10 classes 0\.\.9"):
+        load_dataset("mnist", tmp_path, train=True)
+
+
 # ----------------------------------------------------------------------------- damaged files
 
 
