@@ -381,9 +381,18 @@ def _load_cifar(name: str, root: Path | None, train: bool, download: bool) -> Da
             raise DataError(f"dataset '{name}': {p}: {type(e).__name__}: {e}") from None
         if "data" not in d or label_key not in d:
             raise DataError(f"dataset '{name}': {p} lacks 'data' or '{label_key}'")
-        data = np.asarray(d["data"], dtype=np.uint8)
-        xs.append(data.reshape(len(data), 3, 32, 32))
-        ys.append(np.asarray(d[label_key], dtype=np.int64))
+        try:
+            data = np.asarray(d["data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+            labels = np.asarray(d[label_key], dtype=np.int64).reshape(-1)
+            if len(labels) != len(data):
+                raise ValueError(f"{len(data)} images, {len(labels)} labels")
+        except (TypeError, ValueError) as e:  # another layout than CIFAR's [N, 3072] rows
+            raise DataError(
+                f"dataset '{name}': {p}: expected 'data' as rows of 3 x 32 x 32 bytes and one "
+                f"'{label_key}' each ({type(e).__name__}: {short(str(e))})"
+            ) from None
+        xs.append(data)
+        ys.append(labels)
     return Dataset(x=np.concatenate(xs), y=np.concatenate(ys), num_classes=ncls, name=name)
 
 
@@ -712,6 +721,8 @@ def load_dataset(name: str, root: str | os.PathLike | None, train: bool, downloa
             f"dataset '{name}' (root {r}): the {'train' if train else 'test'} split holds "
             f"{len(ds)} images of {ds.num_classes} classes"
         )
+    if len(ds.y) != len(ds.x):
+        raise DataError(f"dataset '{name}' (root {r}): {len(ds.x)} images but {len(ds.y)} labels")
     low, high = int(ds.y.min()), int(ds.y.max())
     if low < 0 or high >= ds.num_classes:  # would index past the model's outputs mid-run
         raise DataError(

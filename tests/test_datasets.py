@@ -190,6 +190,24 @@ def test_cifar100_pickles_bytes_keys(tmp_path):
     assert len(load_dataset("cifar100", tmp_path, train=False)) == 3
 
 
+@pytest.mark.parametrize(
+    "data, labels, words",
+    [
+        (np.zeros((4, 100), np.uint8), [0] * 4, "cannot reshape"),  # not 3 x 32 x 32 rows
+        (np.zeros((4, 3072), np.uint8), [0] * 3, "4 images, 3 labels"),  # was accepted: 3 labels for 4 images
+        ([1, 2, 3], "x", "ValueError"),
+    ],
+)
+def test_a_cifar_batch_of_another_layout_is_named(tmp_path, data, labels, words):
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        (folder / name).write_bytes(pickle.dumps({"data": data, "labels": labels}, protocol=2))
+    with pytest.raises(DataError, match=r"data_batch_1: expected 'data' as rows of 3 x 32 x 32 bytes") as exc:
+        load_dataset("cifar10", tmp_path, train=True)
+    assert words in str(exc.value)
+
+
 class _Evil:
     def __init__(self, marker):
         self.marker = marker
