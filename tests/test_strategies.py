@@ -169,6 +169,18 @@ def test_ifca_warns_when_it_has_more_cluster_models_than_clients(tmp_path, caplo
     assert f"at least 3 are never chosen, yet every selected client downloads all {ctx.n_clients + 3}" in caplog.text
 
 
+def test_a_warmup_as_long_as_the_run_is_named_at_the_start(tmp_path, caplog):
+    """CFL's default warmup of 20 rounds on a 20-round scenario: it never splits."""
+    ctx = make_ctx(tmp_path)
+    ctx.train["rounds"] = 20
+    IFCA(ctx, warmup_rounds=19)
+    assert "warmup_rounds" not in caplog.text
+    CFL(ctx)
+    assert "cfl: warmup_rounds 20 >= train.rounds 20: it never splits" in caplog.text
+    IFCA(ctx, warmup_rounds=25)
+    assert "ifca: warmup_rounds 25 >= train.rounds 20: its cluster models are never spawned" in caplog.text
+
+
 def test_ifca_averages_per_chosen_cluster(tmp_path):
     ctx = make_ctx(tmp_path)
     s = IFCA(ctx, clusters=3, reinit_empty=False)

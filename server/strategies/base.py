@@ -11,6 +11,7 @@ What it found that is worth a file (FCR's adjacency, its plots) it `emit`s as an
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -25,6 +26,8 @@ from flt.server.checkpoint import restore_vars
 from flt.server.exchange import Call, Exchange, Reply
 from flt.server.ops import EVALUATE, TRAIN, DeviceOp
 from flt.server.strategies.params import METHODS
+
+log = logging.getLogger("flt.server")
 
 
 @dataclass
@@ -136,6 +139,13 @@ class Strategy:
         scenario's validation too); returns the problem, or None."""
         check = METHODS[cls.name].check if cls.name in METHODS else None
         return check(params) if check else None
+
+    def warn_if_warmup_fills_the_run(self, consequence: str) -> None:
+        """A `warmup_rounds` of T or more leaves the method as FedAvg for the whole run
+        (CFL's default 20 on a 20-round scenario); say so once, at the start."""
+        warmup, total = int(self.params.get("warmup_rounds", 0)), int(self.ctx.train.get("rounds", 0))
+        if total and warmup >= total:
+            log.warning("%s: warmup_rounds %d >= train.rounds %d: %s", self.name, warmup, total, consequence)
 
     @classmethod
     def max_upload(cls, params: dict, in_shape: tuple[int, ...], num_classes: int) -> int:

@@ -73,6 +73,7 @@ class CFL(Strategy):
         p = self.params
         self.eps1, self.eps2 = float(p["eps1"]), float(p["eps2"])
         self.warmup, self.min_size = int(p["warmup_rounds"]), int(p["min_cluster_size"])
+        self.warn_if_warmup_fills_the_run("it never splits, and every round is FedAvg")
         self.models = self.on(ctx.init.clone())[None]  # [clusters, P]
         self.labels = np.zeros(ctx.n_clients, dtype=np.int64)  # cluster (provisional if pending)
         self.pending = np.full(ctx.n_clients, -1, dtype=np.int64)  # split a client waits at, or -1

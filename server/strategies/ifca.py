@@ -73,6 +73,7 @@ class IFCA(Strategy):
                 self.c,
             )
         self.warmup = int(self.params["warmup_rounds"])
+        self.warn_if_warmup_fills_the_run("its cluster models are never spawned, and every round is FedAvg")
         self.scale = float(self.params["init_scale"])
         self.gen = torch.Generator().manual_seed(int(ctx.seed))
         self.global_model = self.on(ctx.init.clone())  # used during warm-up
