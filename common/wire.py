@@ -18,6 +18,7 @@ count it and go on.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import TypeGuard
 
@@ -224,3 +225,15 @@ def frame_bytes(frames: list) -> tuple[int, int]:
     header = len(frames[0])
     payload = sum(memoryview(f.buffer if hasattr(f, "buffer") else f).nbytes for f in frames[1:])
     return payload, header
+
+
+def endpoint_problem(endpoint: str, listen: bool) -> str | None:
+    """What a ZeroMQ address must look like, or None: tcp://HOST:PORT with PORT 1..65535
+    (ZeroMQ wraps a larger one round to another port without a word; `*`, any free
+    port, only where the server listens), or ipc://PATH."""
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return None
+    m = re.fullmatch(r"tcp://([^:/]+|\[[0-9a-fA-F:.]+\]):(\*|[0-9]{1,5})", endpoint)
+    if m and ((m[2] == "*" and listen) or (m[2] != "*" and 1 <= int(m[2]) <= 65535)):
+        return None
+    return f"tcp://HOST:PORT (PORT 1..65535{', or * for any free one' if listen else ''}) or ipc://PATH"

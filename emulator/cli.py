@@ -119,12 +119,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def _device(args) -> int:
     from flt.common.keys import Credentials
-    from flt.devices.device import Device, prepare_process
+    from flt.common.wire import endpoint_problem
+
+    creds: list = []
+
+    def check() -> None:  # before the socket: a bad address was a ZeroMQ traceback
+        if problem := endpoint_problem(args.connect, listen=False):
+            raise FltError(f"--connect: expected {problem}, got {short(args.connect)}")
+        if args.threads < 1:
+            raise FltError(f"--threads: at least 1, got {args.threads}")
+        creds.append(Credentials.load(args.key, args.server_key))
+
+    if code := guarded(check):
+        return code
+    from flt.devices.device import Device, prepare_process  # torch: after the answer to a typo
 
     prepare_process()  # as `python -m flt.devices` does: without it, a device by hand printed nothing
-    creds: list = []
-    code = guarded(lambda: creds.append(Credentials.load(args.key, args.server_key)))
-    return code or Device(args.connect, args.name, args.data_root, args.threads, credentials=creds[0]).run()
+    return Device(args.connect, args.name, args.data_root, args.threads, credentials=creds[0]).run()
 
 
 def _keys(args) -> None:

@@ -10,6 +10,7 @@ import copy
 import os
 import re
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ import yaml
 
 from flt.common.errors import short
 from flt.common.schema import ConfigError, Field, MethodSpec, section, validate
+from flt.common.wire import endpoint_problem
 from flt.emulator.profiles import ProfileError, profiles_from_distribution
 from flt.scenarios.datasets import DATASETS, DataError, dataset_key, load_dataset
 from flt.scenarios.shift import KINDS, level_problem
@@ -151,17 +153,6 @@ TRAIN = {
 }
 
 
-def bind_problem(endpoint: str) -> str | None:
-    """What a server address must look like (ZeroMQ wraps a port past 65535 round to
-    another one without a word), or None."""
-    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
-        return None
-    m = re.fullmatch(r"tcp://([^:/]+|\[[0-9a-fA-F:.]+\]):(\*|[0-9]{1,5})", endpoint)
-    if m and (m[2] == "*" or 1 <= int(m[2]) <= 65535):
-        return None
-    return "tcp://HOST:PORT (PORT 1..65535, or * for any free one) or ipc://PATH"
-
-
 DEVICES = {
     "processes": Field(int, None, "device processes started here (default: CPU cores)", nullable=True, min=0),
     "external": Field(
@@ -171,7 +162,7 @@ DEVICES = {
         str,
         "tcp://127.0.0.1:*",
         "server address; tcp://0.0.0.0:5555 accepts other hosts",
-        rule=bind_problem,
+        rule=partial(endpoint_problem, listen=True),
     ),
     "threads": Field(int, 1, "torch threads per device process", min=1),
     "accelerator": Field(

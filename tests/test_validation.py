@@ -466,6 +466,20 @@ def test_a_server_address_zeromq_would_refuse_or_wrap_is_refused_first(bind):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--connect", "bogus"], "--connect: expected tcp://HOST:PORT (PORT 1..65535) or ipc://PATH, got 'bogus'"),
+        (["--connect", "tcp://127.0.0.1:*"], "--connect: expected tcp://HOST:PORT"),  # * only where one listens
+        (["--connect", "tcp://127.0.0.1:5555", "--threads", "0"], "--threads: at least 1, got 0"),
+    ],
+)
+def test_a_device_started_by_hand_with_a_bad_address_is_one_line(args, words):
+    """`flt device --connect bogus` was a ZeroMQ traceback."""
+    assert_one_line_error(flt("device", *args, timeout=120), 2, words)
+
+
+@pytest.mark.slow
 def test_a_port_another_program_holds_is_one_line_naming_devices_bind(tmp_path):
     import zmq
 
