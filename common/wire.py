@@ -229,11 +229,13 @@ def frame_bytes(frames: list) -> tuple[int, int]:
 
 def endpoint_problem(endpoint: str, listen: bool) -> str | None:
     """What a ZeroMQ address must look like, or None: tcp://HOST:PORT with PORT 1..65535
-    (ZeroMQ wraps a larger one round to another port without a word; `*`, any free
+    (ZeroMQ wraps a larger one round to another port without a word; `*` or 0, any free
     port, only where the server listens), or ipc://PATH."""
     if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
         return None
     m = re.fullmatch(r"tcp://([^:/]+|\[[0-9a-fA-F:.]+\]):(\*|[0-9]{1,5})", endpoint)
-    if m and ((m[2] == "*" and listen) or (m[2] != "*" and 1 <= int(m[2]) <= 65535)):
+    if m and m[2] != "*" and 1 <= int(m[2]) <= 65535:
         return None
-    return f"tcp://HOST:PORT (PORT 1..65535{', or * for any free one' if listen else ''}) or ipc://PATH"
+    if m and listen and (m[2] == "*" or int(m[2]) == 0):  # the system picks a free port
+        return None
+    return f"tcp://HOST:PORT (PORT 1..65535{', or * or 0 for any free one' if listen else ''}) or ipc://PATH"

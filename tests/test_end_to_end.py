@@ -112,7 +112,7 @@ def test_a_diverging_learning_rate_is_named_and_its_updates_left_out(tmp_path):
     assert last.startswith("rejected ") and "non-finite update" in last, last
     row = json.loads((tmp_path / "fedavg" / "metrics.jsonl").read_text())
     rejected = summary(tmp_path)["rejected"]["rejected_reasons"]["non-finite update"]["messages"]
-    assert row["returned"] == row["selected"] - rejected > 0
+    assert rejected >= 1 and row["returned"] == row["selected"] - rejected  # how many overflow is chaotic
 
 
 def test_a_crash_round_that_gives_the_device_no_work_crashes_it_at_its_next_task(tmp_path):

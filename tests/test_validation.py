@@ -456,12 +456,18 @@ def test_devices_that_never_connect_exit_3_with_one_line(tmp_path):
     assert_one_line_error(res, 3, "0 of 1 devices connected")
 
 
-@pytest.mark.parametrize("bind", ["bogus", "tcp://127.0.0.1:99999", "tcp://127.0.0.1:0", "tcp://host", "ipc://"])
+@pytest.mark.parametrize("bind", ["bogus", "tcp://127.0.0.1:99999", "tcp://127.0.0.1:-1", "tcp://host", "ipc://"])
 def test_a_server_address_zeromq_would_refuse_or_wrap_is_refused_first(bind):
     """ZeroMQ binds port 99999 as 34463 without a word; `bogus` was a traceback."""
     with pytest.raises(ConfigError, match=r"devices\.bind: expected tcp://HOST:PORT \(PORT 1\.\.65535"):
         config.load(QUICKSTART, [f"devices.bind={bind}"])
-    for good in ("tcp://0.0.0.0:5555", "tcp://127.0.0.1:*", "ipc:///tmp/flt.sock", "tcp://edge.lan:65535"):
+    for good in (
+        "tcp://0.0.0.0:5555",
+        "tcp://127.0.0.1:*",
+        "tcp://0.0.0.0:0",
+        "ipc:///tmp/flt.sock",
+        "tcp://edge.lan:65535",
+    ):
         assert config.load(QUICKSTART, [f"devices.bind={good}"])["devices"]["bind"] == good
 
 
