@@ -486,6 +486,25 @@ def test_a_device_started_by_hand_with_a_bad_address_is_one_line(args, words):
 
 
 @pytest.mark.slow
+def test_an_fcr_nobody_answers_in_time_names_the_timeout(tmp_path):
+    """round_timeout_s 0.001: every embedding came late, and the error said only
+    "no client sent centroids (see the device logs)", where nothing had failed."""
+    res = flt(
+        "run",
+        str(QUICKSTART),
+        "--set",
+        "devices.round_timeout_s=0.001",
+        "--set",
+        "methods=[flt]",
+        "--out",
+        str(tmp_path),
+    )
+    assert res.returncode == 3 and "Traceback" not in res.stderr, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: FCR: no client sent valid centroids in time") and "devices.round_timeout_s" in last
+
+
+@pytest.mark.slow
 def test_a_port_another_program_holds_is_one_line_naming_devices_bind(tmp_path):
     import zmq
 

@@ -102,7 +102,10 @@ class FLT(Reclustering):
         self.payload_bytes = sum(t.nbytes for t in self.payload.values())
         ex = self.embed(fed, fed.present, rnd=0, purpose="fcr")
         if not ex.results:
-            raise DeviceError("FCR: no client sent centroids (see the device logs)")
+            raise DeviceError(
+                "FCR: no client sent valid centroids in time (embedding waits 4 x devices.round_timeout_s; "
+                "the log above names late and rejected replies, the device logs any failure)"
+            )
         report = self.relate(fed.present)
         report.update(
             round=0,
