@@ -22,7 +22,7 @@ from flt.emulator import processes
 from flt.emulator.config import dump, load_encoder_sources
 from flt.emulator.population import Population, Schedule, assign_profiles, schedule_from
 from flt.emulator.profiles import Profiles
-from flt.emulator.session import Session, assign_clients, check_device_ops, data_root
+from flt.emulator.session import Session, assign_clients, check_device_ops, check_local_accelerator, data_root
 from flt.models.flat import flatten
 from flt.models.nets import build_model
 from flt.reports import summary as report
@@ -335,6 +335,7 @@ def run_scenario(cfg: dict, out: str | None = None, progress: Progress = print, 
     profiles = assign_profiles(cfg["population"]["profiles"], partition.n_clients, cfg["seed"])
     load_encoder_sources(cfg)
     check_device_ops(cfg)
+    check_local_accelerator(cfg["devices"])
     batch_note = cap_batch(cfg["train"], partition)
     with torch.random.fork_rng(devices=[]):  # a dry build: the model takes these images
         initial_weights(cfg, train)

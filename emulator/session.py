@@ -132,6 +132,19 @@ def check_device_ops(cfg: dict) -> None:
                 ) from None
 
 
+def check_local_accelerator(devices: dict) -> None:
+    """`accelerator: cuda` with device processes started on this host, which has no GPU:
+    each of them would fail to load its clients (exit 3, after the run folder was made);
+    say so first. Devices on other hosts (external, Ray) answer for their own GPUs."""
+    local = devices["launcher"] == "local" and devices["processes"] != 0
+    if devices["accelerator"] == "cuda" and local and not torch.cuda.is_available():
+        raise ConfigError(
+            "devices.accelerator is cuda, but this host has no CUDA GPU (torch "
+            f"{torch.__version__}, CUDA build: {torch.version.cuda}) and its device processes "
+            "(dev-0, ...) run here; use auto (the GPU where there is one) or cpu"
+        )
+
+
 def aggregation_device() -> torch.device:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     deterministic_kernels(device)  # the encoder's pretraining runs here too

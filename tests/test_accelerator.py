@@ -36,8 +36,9 @@ def test_asking_for_cuda_without_a_gpu_fails_naming_the_device(tmp_path):
         "devices.processes=2",
         "devices.accelerator=cuda",
     )
-    assert res.returncode != 0
-    assert "devices.accelerator is cuda" in res.stderr and "dev-0" in res.stderr
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr  # one line, before any process
+    assert "devices.accelerator is cuda, but this host has no CUDA GPU" in res.stderr and "dev-0" in res.stderr
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # and before the run folder
 
 
 def _cohort(device: str, sizes=(23, 40, 7)):
