@@ -25,7 +25,7 @@ from flt.emulator.run import (
     make_run_dir,
     record_shift,
 )
-from flt.emulator.session import Session, check_device_ops
+from flt.emulator.session import Session, check_device_ops, check_local_accelerator
 from flt.reports import summary as report
 from flt.reports.figures import scatter
 from flt.reports.terminal import Progress
@@ -63,6 +63,7 @@ def relate_scenario(
 ) -> tuple[Path, dict]:
     """Run FCR once over every client of the scenario; returns the run folder and the report."""
     spec = pick_method(cfg, method)
+    check_local_accelerator(cfg["devices"])
     run_dir = make_run_dir(cfg, out)
     progress(f"run folder: {run_dir}")
     train, test = load_data(cfg)

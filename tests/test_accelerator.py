@@ -25,6 +25,29 @@ def test_auto_takes_the_cpu_on_a_host_without_a_gpu(monkeypatch):
         accelerator("cuda", "dev-0")
 
 
+def test_cuda_is_checked_here_only_for_device_processes_started_here(monkeypatch):
+    from flt.common.schema import ConfigError
+    from flt.emulator.session import check_local_accelerator
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    here = {"launcher": "local", "processes": None, "accelerator": "cuda"}
+    with pytest.raises(ConfigError, match="this host has no CUDA GPU"):
+        check_local_accelerator(here)
+    check_local_accelerator({**here, "accelerator": "auto"})
+    check_local_accelerator({**here, "processes": 0})  # every device external: its own GPU
+    check_local_accelerator({**here, "launcher": "ray"})  # Ray nodes: theirs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_local_accelerator(here)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: cuda is valid here")
+def test_flt_relate_asking_for_cuda_without_a_gpu_is_one_line_before_any_folder(tmp_path):
+    res = flt("relate", str(QUICKSTART), "--set", "devices.accelerator=cuda", "--no-umap", "--out", str(tmp_path / "r"))
+    assert res.returncode == 2 and res.stderr.startswith("error: devices.accelerator is cuda, but this host")
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: cuda is valid here")
 def test_asking_for_cuda_without_a_gpu_fails_naming_the_device(tmp_path):
