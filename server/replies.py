@@ -60,7 +60,7 @@ def _model_problem(task: Message, reply: Message, stays: bool) -> tuple[str, str
     model, size = reply.tensors.get("model"), task.tensors["model"].shape[-1]
     if model is None or model.dtype != np.float32 or model.shape != (size,) or len(reply.tensors) != 1:
         return "bad model", f"expected one float32 model of {size} parameters"
-    return _magnitude_problem(model, "update")
+    return _too_large(model, MAX_WEIGHT, "update", "it would overflow the average")
 
 
 # Largest |weight| a model may carry. Finite float32 weights of 1e37 pass a NaN check yet
@@ -70,14 +70,15 @@ def _model_problem(task: Message, reply: Message, stays: bool) -> tuple[str, str
 MAX_WEIGHT = 1e18
 
 
-def _magnitude_problem(model: np.ndarray, what: str) -> tuple[str, str] | None:
-    """Why a model must not be averaged: NaN, infinity or overflow-sized weights (one pass)."""
-    largest = float(np.abs(model).max()) if model.size else 0.0
-    if largest <= MAX_WEIGHT:
+def _too_large(a: np.ndarray, bound: float, what: str, why: str) -> tuple[str, str] | None:
+    """Why `a` must not be used: NaN, infinity, or a value past `bound` in size (one pass
+    when it is clean: NaN fails the comparison too)."""
+    largest = float(np.abs(a).max()) if a.size else 0.0
+    if largest <= bound:
         return None
-    if not np.isfinite(model).all():
-        return f"non-finite {what}", f"{int((~np.isfinite(model)).sum())} of {model.size} parameters are NaN or inf"
-    return f"non-finite {what}", f"a weight of {largest:.3g}, past {MAX_WEIGHT:g}: it would overflow the average"
+    if not np.isfinite(a).all():
+        return f"non-finite {what}", f"{int((~np.isfinite(a)).sum())} of {a.size} values are NaN or inf"
+    return f"non-finite {what}", f"a value of {largest:.3g}, past {bound:g}: {why}"
 
 
 def metrics_check(sizes: ShardSizes | None) -> Check:
@@ -197,10 +198,8 @@ def _summary_fault(c: np.ndarray, w: np.ndarray, max_k: int, labelled: bool, wha
     column of distinct classes in [0, max_k)) and a share per row, >= 0, summing to 1."""
     if c.ndim != 2 or not 1 <= c.shape[0] <= max_k or c.dtype != np.float32:
         return f"bad {_PLURAL[what]}", f"expected one float32 k x e array, k in 1..{max_k}, and its shares"
-    if not np.isfinite(c).all():
-        return f"non-finite {_PLURAL[what]}", f"NaN or inf in the {_PLURAL[what]}"
-    if c.size and (largest := float(np.abs(c).max())) > MAX_EMBEDDING:
-        return f"non-finite {_PLURAL[what]}", f"a value of {largest:.3g}, past {MAX_EMBEDDING:g}: no encoder's output"
+    if too_large := _too_large(c, MAX_EMBEDDING, _PLURAL[what], "no encoder gives one"):
+        return too_large
     if w.shape != (c.shape[0],) or w.dtype.kind != "f" or not np.isfinite(w).all():
         return "bad shares", f"expected {c.shape[0]} finite float shares, one per {what}"
     if w.min() < 0 or abs(float(w.sum()) - 1) > 1e-3:
@@ -230,7 +229,7 @@ def state_check(model_size: int | None) -> Check:
         size = model_size if model_size is not None else (model.size if model is not None else 0)
         if model is None or model.dtype != np.float32 or model.shape != (size,) or len(reply.tensors) != 1:
             return "bad state", f"expected no tensor or one float32 model of {size} parameters"
-        return _magnitude_problem(model, "state")
+        return _too_large(model, MAX_WEIGHT, "state", "it would overflow the average")
 
     return check
 
