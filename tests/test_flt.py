@@ -15,6 +15,7 @@ from flt.reports.writer import write_artifacts
 from flt.server import fcr
 from flt.server.exchange import Exchange, Reply
 from flt.server.ops import CHOOSE
+from flt.server.strategies import flt as flt_strategy
 from flt.server.strategies.base import Context, Result, weighted_average
 from flt.server.strategies.fedavg import FedAvg
 from flt.server.strategies.flt import FLT
@@ -168,7 +169,10 @@ def test_case1_with_identity_graph_is_local(tmp_path):
     torch.testing.assert_close(s.models[2], before[2], atol=0, rtol=0)
 
 
-def test_case1_with_soft_weights_matches_a_hand_computation(tmp_path):
+@pytest.mark.parametrize("block", [None, 16])  # 16: P = 50 spans four column blocks, the last short
+def test_case1_with_soft_weights_matches_a_hand_computation(tmp_path, monkeypatch, block):
+    if block is not None:
+        monkeypatch.setattr(flt_strategy, "_GRAPH_BLOCK", block)
     ctx = make_ctx(tmp_path)
     rng = np.random.default_rng(3)
     pts = rng.normal(size=(M, 2))
