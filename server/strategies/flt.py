@@ -361,8 +361,8 @@ class FLT(Reclustering):
     def _aggregate_graph(self, results):
         """W^{t+1} = W_bar A~ diag(.) as a matrix product over the selected clients, written
         into the M x P table block by block of columns: a copy of the table and a full
-        [M, P] product (2.6 GB each for the LEAF CNN on 105 writers) took ten times as long
-        and twice the table's size in extra memory (benchmarks/bench_case1.py)."""
+        [M, P] product (2.6 GB each for the LEAF CNN on 105 writers) took four times as long
+        and 2.2 times the table's size in extra memory (benchmarks/bench_case1.py)."""
         sel = sorted(results)
         models, n = stack(results, sel)  # [s, P], [s]
         graph = torch.as_tensor(self.graph[sel], device=models.device)  # [s, M]
