@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,17 +34,17 @@ from flt.server.strategies.flt import FLT
 LEAF_CNN_FEMNIST = 6_603_710  # parameters of the LEAF CNN with 62 classes
 
 
-def reference(self, results) -> None:
+def reference(state, results) -> None:
     """Case I's aggregation before 2026-12-02: a copy of the table and a full product."""
     sel = sorted(results)
     models, n = stack(results, sel)
-    graph = torch.as_tensor(self.graph[sel], device=models.device)
+    graph = torch.as_tensor(state.graph[sel], device=models.device)
     weights = graph * (n / n.sum())[:, None]
     mass = weights.sum(0)
     touched = mass > 0
-    new = self.models.clone()
+    new = state.models.clone()
     new[touched] = (weights[:, touched] / mass[touched]).T @ models
-    self.models = new
+    state.models = new
 
 
 def peak_gb() -> float:
@@ -80,14 +82,15 @@ def main() -> None:
     size = f"M {args.clients}, {args.selected} selected, P {args.params:,} ({table_gb:.2f} GB table)"
     print(f"Case I aggregation: {size}")
     figures, rows = {}, {}
+    scratch = Path(tempfile.mkdtemp(prefix="bench_case1_"))
     for form in ("reference", "blocks"):
-        save = Path(f"/tmp/bench_case1_{form}.npy")
+        save = scratch / f"{form}.npy"
         cmd = [sys.executable, __file__, "--one", form, "--save", str(save)]
         cmd += ["--clients", str(args.clients), "--selected", str(args.selected), "--params", str(args.params)]
         seconds, extra = map(float, subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split())
         figures[form], rows[form] = (seconds, extra), np.load(save)
-        save.unlink()
         print(f"  {form:9s}  {seconds:8.2f} s  peak RSS +{extra:6.2f} GB ({extra / table_gb:.2f} tables)")
+    shutil.rmtree(scratch)
     (t_ref, m_ref), (t_new, m_new) = figures["reference"], figures["blocks"]
     diff = float(np.abs(rows["reference"] - rows["blocks"]).max())
     print(f"  blocks / reference: time {t_new / t_ref:.2f}, extra memory {m_new / max(m_ref, 1e-9):.2f}")
