@@ -172,7 +172,13 @@ DEVICES = {
         "cuda (fail where a device host has no GPU), or auto (its GPU when it has one)",
         choices=("cpu", "cuda", "auto"),
     ),
-    "round_timeout_s": Field(float, 120.0, "a round's replies are awaited this long", min=0, open_min=True),
+    "round_timeout_s": Field(
+        float,
+        120.0,
+        "a round's replies are awaited this long (from a local device still computing: up to 30 times as long)",
+        min=0,
+        open_min=True,
+    ),
     "start_timeout_s": Field(float, 120.0, "devices must connect within this", min=0, open_min=True),
     "crash": Field(
         dict,

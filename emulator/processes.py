@@ -82,6 +82,17 @@ class ForkedDevice:
         self.send_signal(signal.SIGKILL)
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` from /proc (Linux), else None. Ticks of
+    1/100 s: only a window of a second or more tells computing from waiting."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # the name, in parentheses, may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class DeviceFleet:
     """Device processes on this machine, one log file each: forked from the fork server,
     or launched with `python -m flt.devices` (`start`)."""
@@ -137,6 +148,13 @@ class DeviceFleet:
     def alive(self, name: str) -> bool:
         proc = self.procs.get(name)
         return proc is None or proc.poll() is None  # devices started by hand: assume alive
+
+    def cpu_seconds(self, name: str) -> float | None:
+        """CPU time the device's process has used so far, or None where it cannot be read
+        (a device started by hand, a Ray actor, one that exited, a system without /proc)."""
+        proc = self.procs.get(name)
+        pid = getattr(proc, "pid", None)  # a Ray actor has none here: it may run on another node
+        return process_cpu_seconds(pid) if proc is not None and pid is not None and proc.poll() is None else None
 
     def wait(self, transport: Transport, timeout_s: float) -> list[str]:
         """Wait for every started device's hello; a device that exits early is named."""

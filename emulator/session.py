@@ -59,6 +59,7 @@ class Session:
         fleet_cfg = d if crash else {**d, "crash": {}}
         self.fleet = make_fleet(fleet_cfg, self.transport.endpoint, run_dir / "logs", enroll=self.transport.gate.enroll)
         self.transport.alive = self.fleet.alive
+        self.transport.cpu_seconds = self.fleet.cpu_seconds
         self.devices: list[str] = []
         self.meta: dict = {}
         self.model_spec = model_spec

@@ -125,6 +125,7 @@ class Federation:
         timeout_s: float | None = None,
         clocked: bool = True,
         event: bool = True,
+        strict: bool = False,
     ) -> Exchange[Message]:
         """The one path of every exchange: send `msgs` (each the task of one of `ops`),
         gather each client's reply, check it (the op's check), price what each answering
@@ -157,6 +158,7 @@ class Federation:
             check=check,
             movable=[c for c, op in op_of.items() if op.movable],
             cost=None if sizes is None else lambda c: float(sizes(c)[0]),
+            strict=strict,
         )
         ids = np.array(sorted(replies), dtype=np.int64)
         down = np.array([_payload(msgs[c]) for c in ids.tolist()], dtype=np.float64)
@@ -213,7 +215,10 @@ class Federation:
             delay = {"delay_s": delays[c]} if delays else {}
             msgs[c] = t.op.message(rnd, c, tensors, {**base, **t.meta, **delay})
         ops = list({t.op.name: t.op for t in tasks.values()}.values())
-        ex = self._exchange(purpose or "train", rnd, msgs, ops, timeout_s=timeout_s, event=purpose is not None)
+        # real-time mode's deadline cuts stragglers whatever their devices are doing
+        ex = self._exchange(
+            purpose or "train", rnd, msgs, ops, timeout_s=timeout_s, event=purpose is not None, strict=bool(delays)
+        )
         return ex.decoded(lambda r: Result(self._tensor(r, "model"), int(r.meta["n"]), r.meta))
 
     def _tensor(self, msg: Message, name: str) -> torch.Tensor | None:

@@ -42,6 +42,11 @@ LOG_FIRST, LOG_EVERY_S = 5, 10.0  # rejections logged one by one, then summarise
 # device reads every task as it comes (it computes only once a batch is whole), so a queue
 # still full after this long means the device is stuck: it is lost, the run goes on.
 SEND_TIMEOUT_S = 30.0
+# A gather's timeout is a liveness guard: a device on this machine still using CPU when it
+# runs out is waited for, window after window, up to PATIENCE timeouts in all. Windows under
+# MIN_JUDGED_S are cut as before: /proc counts CPU time in 1/100 s ticks.
+PATIENCE = 30
+MIN_JUDGED_S = 1.0
 
 
 class Rejections:
@@ -147,6 +152,7 @@ class Transport:
         # must not shift the ids, whose digits are in every billed header
         self.own_batches = itertools.count(-2, -1)
         self.alive: Callable[[str], bool] = lambda name: True
+        self.cpu_seconds: Callable[[str], float | None] = lambda name: None  # the fleet's, where it can tell
         self.rejections = Rejections()  # the whole run's; the ledger's are per method
         self._logged_at: dict[str, float] = {}  # reason -> when its last summary line was logged
 
@@ -310,6 +316,7 @@ class Transport:
         own: bool = False,
         movable: Collection[int] = (),
         cost: Callable[[int], float] | None = None,
+        strict: bool = False,
     ) -> dict[int, Message]:
         """Send one message per client, collect one reply per client (of kind `reply`, or
         `reply[client]` when the clients were asked different things).
@@ -322,7 +329,12 @@ class Transport:
         client left out. `own`: an exchange of the emulator's, not of the method (its batch
         ids come from a sequence of their own). `movable`: clients whose task may run on any
         live device holding their shard (server/routing.py), spread by `cost` (1 each by
-        default); every other task goes to the client's host."""
+        default); every other task goes to the client's host.
+
+        `timeout_s` is a liveness guard, not a deadline: while a device on this machine that
+        owes replies is still using CPU, the wait goes on (up to `PATIENCE` times
+        `timeout_s`), so a slow or busy machine drops no client and changes no result.
+        `strict`: cut at `timeout_s` whatever the devices do (real-time mode's deadline)."""
         batch = next(self.own_batches if own else self.batches)
         home = {c: self.client_device[c] for c in tasks}
         movable = [c for c in movable if c in tasks and c not in self.pinned]
@@ -348,16 +360,22 @@ class Transport:
             except DeviceLost as exc:
                 self.lose(device, str(exc))
         results: dict[int, Message] = {}
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
+        marks = None if strict or timeout_s < MIN_JUDGED_S else self._cpu_marks({dest[c] for c in waiting})
         while waiting:
             got = self._next(min(time.monotonic() + 0.5, deadline))
             if got is None:
                 self._drop_dead(waiting, dest)
                 if time.monotonic() >= deadline:
+                    if marks is not None and self._still_computing(waiting, dest, marks, timeout_s, start):
+                        deadline = time.monotonic() + timeout_s
+                        continue
                     log.error(
-                        "%s: %d clients did not answer within %g s: %s",
+                        "%s: %d clients did not answer within %.1f s (timeout %g s): %s",
                         reply if isinstance(reply, str) else "/".join(sorted(set(reply.values()))),
                         len(waiting),
+                        time.monotonic() - start,
                         timeout_s,
                         sorted(waiting)[:20],
                     )
@@ -413,6 +431,26 @@ class Transport:
                 size,
                 f"{msg.kind} for client {msg.client} after the last task",
             )
+
+    def _cpu_marks(self, devices: set[str]) -> dict[str, float]:
+        """Each device's CPU seconds now, where they can be read (processes on this machine)."""
+        return {d: t for d in devices if (t := self.cpu_seconds(d)) is not None}
+
+    def _still_computing(
+        self, waiting: set[int], dest: Mapping[int, str], marks: dict[str, float], window_s: float, start: float
+    ) -> bool:
+        """Whether a device that owes replies used a tenth of a core or more since its mark
+        (an idle device polls its socket: almost none), before PATIENCE timeouts have gone
+        by; the marks move on to now."""
+        if time.monotonic() - start >= PATIENCE * window_s:
+            return False
+        now = self._cpu_marks({dest[c] for c in waiting})
+        busy = sorted(d for d, t in now.items() if d in marks and t - marks[d] >= 0.1 * window_s)
+        marks.update(now)
+        if busy:
+            waited, who = time.monotonic() - start, ", ".join(busy)
+            log.warning("%s still computing after %.0f s (timeout %g s): waiting for it", who, waited, window_s)
+        return bool(busy)
 
     def _drop_dead(self, waiting: set[int], dest: Mapping[int, str]) -> None:
         for device in {dest[c] for c in waiting}:

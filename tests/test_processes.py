@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -109,3 +110,42 @@ def test_forked_devices_exit_when_the_emulator_is_killed(tmp_path):
     while any(_running(p) for p in family) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in family if _running(p)], "processes outlived the emulator"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_cpu_seconds_tell_a_computing_process_from_a_waiting_one():
+    from flt.emulator.processes import process_cpu_seconds
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.5)  # both started
+        before = {p.pid: process_cpu_seconds(p.pid) for p in (busy, idle)}
+        time.sleep(1.5)
+        used = {p.pid: process_cpu_seconds(p.pid) - before[p.pid] for p in (busy, idle)}
+    finally:
+        for p in (busy, idle):
+            p.kill()
+            p.wait()
+    assert used[busy.pid] >= 0.3 and used[idle.pid] < 0.05, used
+    assert process_cpu_seconds(busy.pid) is None  # gone: nothing to read
+
+
+@pytest.mark.slow  # two quickstart runs of 3 long rounds
+def test_a_round_longer_than_the_timeout_drops_no_client_while_its_devices_compute(tmp_path):
+    """devices.round_timeout_s was a hard wall-clock cut: on a loaded CPU a LEAF CNN round
+    ran past 120 s and every client of the round was dropped, so the result depended on the
+    machine's load. A device still computing is now waited for."""
+    runs, logs = {}, {}
+    for timeout in (1, 120):
+        out = tmp_path / str(timeout)
+        sets = ["train.rounds=3", "train.local_epochs=400", "methods=[fedavg]", f"devices.round_timeout_s={timeout}"]
+        res = flt("run", str(QUICKSTART), *[a for s in sets for a in ("--set", s)], "--out", str(out))
+        assert res.returncode == 0, res.stderr[-2000:]
+        runs[timeout] = [json.loads(x) for x in (out / "fedavg" / "metrics.jsonl").read_text().splitlines()]
+        logs[timeout] = res.stderr
+        assert all(r["returned"] == r["selected"] for r in runs[timeout])
+        for rec in runs[timeout]:
+            rec.pop("timing")
+    assert "still computing after" in logs[1]  # the rounds did outlast the 1 s timeout
+    assert runs[1] == runs[120]
