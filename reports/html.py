@@ -15,10 +15,12 @@ import html
 import json
 import math
 import re
+import zipfile
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 from flt.common.files import make_folder
@@ -188,6 +190,57 @@ def event_rows(run: Run) -> list[dict]:
                     }
                 )
     return rows
+
+
+def group_rows(run: Run) -> list[dict]:
+    """Each method's last evaluation, per planted cluster: how many clients and training
+    samples the cluster holds and its clients' mean and lowest accuracy. A mean over all
+    clients hides a method that serves the big clusters and fails the small ones; this
+    shows it. Nothing for a partition without planted clusters (writers) or a run
+    recorded before per-client scores were kept."""
+    truth, sizes = planted_clusters(run.path / "partition.npz")
+    if not (truth >= 0).any():
+        return []
+    rows = []
+    for label, records in run.metrics.items():
+        last = next((r for r in reversed(records) if isinstance(r.get("per_client"), dict)), None)
+        if last is None:
+            continue
+        scores = last["per_client"]
+        if len({len(scores.get(k) or ()) for k in ("client", "correct", "total")}) != 1:
+            continue  # a hand-edited or damaged record: no table rather than a wrong one
+        client, correct, total = (np.asarray(scores[k], dtype=np.int64) for k in ("client", "correct", "total"))
+        keep = (total > 0) & (client >= 0) & (client < len(truth))
+        client, acc = client[keep], 100.0 * correct[keep] / total[keep]
+        for g in np.unique(truth[client]):
+            mine = truth[client] == g
+            rows.append(
+                {
+                    "scenario": run.name,
+                    "method": label,
+                    "round": last["round"],
+                    "cluster": int(g),
+                    "clients": int(mine.sum()),
+                    "train_samples": int(sizes[client[mine]].sum()),
+                    "accuracy": float(acc[mine].mean()),
+                    "lowest": float(acc[mine].min()),
+                }
+            )
+    return rows
+
+
+def planted_clusters(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Each client's planted cluster and training-set size from a run's partition.npz
+    (its `cluster` and `train_offsets` arrays); empty when the file is missing or damaged."""
+    empty = np.zeros(0, np.int64)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            truth, offsets = z["cluster"].astype(np.int64), z["train_offsets"].astype(np.int64)
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+        return empty, empty
+    if truth.ndim != 1 or offsets.shape != (len(truth) + 1,):
+        return empty, empty
+    return truth, np.diff(offsets)
 
 
 # -- formatting ---------------------------------------------------------------------------
@@ -369,6 +422,11 @@ def run_section(run: Run, plots: Path) -> str:
     if (examples := run.path / "shift_examples.png").is_file():
         shift_kind = json.loads((run.path / "shift.json").read_text()).get("kind", "?")
         parts += [f"<h3>Shift between clusters: {html.escape(shift_kind)}</h3>", figure(examples, "shift_examples.png")]
+    if groups := group_rows(run):
+        parts += [
+            "<h3>Accuracy by planted cluster (last evaluation)</h3>",
+            html_table(*plain_table([{k: v for k, v in r.items() if k != "scenario"} for r in groups])),
+        ]
     parts += fcr_section(run)
     changes, events = change_rows(run), event_rows(run)
     if changes or events:
@@ -436,10 +494,12 @@ def build(paths: list[Path], out: Path) -> Path:
     fcr = [r for run in runs for r in fcr_rows(run)]
     changes = [r for run in runs for r in change_rows(run)]
     events = [r for run in runs for r in event_rows(run)]
-    for name, table in (("methods", rows), ("fcr", fcr), ("changes", changes), ("events", events)):
+    groups = [r for run in runs for r in group_rows(run)]
+    tables = (("methods", rows), ("fcr", fcr), ("changes", changes), ("events", events), ("groups", groups))
+    for name, table in tables:
         if table:
             write_csv(out / f"{name}.csv", table)
-    (out / "report.md").write_text(markdown_page(runs, rows, fcr, changes, events))
+    (out / "report.md").write_text(markdown_page(runs, rows, fcr, changes, events, groups))
     title = "flt report: " + ", ".join(run.name for run in runs)
     body = [
         f"<h1>{html.escape(title)}</h1>",
@@ -458,7 +518,9 @@ def build(paths: list[Path], out: Path) -> Path:
     return page
 
 
-def markdown_page(runs: list[Run], rows: list[dict], fcr: list[dict], changes: list[dict], events: list[dict]) -> str:
+def markdown_page(
+    runs: list[Run], rows: list[dict], fcr: list[dict], changes: list[dict], events: list[dict], groups: list[dict]
+) -> str:
     parts = [
         "# flt report",
         "",
@@ -471,7 +533,13 @@ def markdown_page(runs: list[Run], rows: list[dict], fcr: list[dict], changes: l
         markdown(*bytes_table(rows)),
         "",
     ]
-    for title, table in (("FCR (every clustering)", fcr), ("Events", events), ("Recovery", changes)):
+    sections = (
+        ("Accuracy by planted cluster (last evaluation)", groups),
+        ("FCR (every clustering)", fcr),
+        ("Events", events),
+        ("Recovery", changes),
+    )
+    for title, table in sections:
         if table:
             parts += [f"## {title}", "", markdown(*plain_table(table)), ""]
     parts += ["## Commands", ""] + [f"- {run.name}: `{run.command or 'not recorded'}`" for run in runs]

@@ -355,6 +355,18 @@ def accuracy_stats(metrics: dict[int, dict], newcomers: Collection[int] = ()) ->
     return out
 
 
+def per_client_scores(metrics: dict[int, dict]) -> dict[str, list[int]]:
+    """Each evaluated client's correct and total test predictions, in client order: the
+    record keeps them so fairness can be read per client or per planted group later
+    (`flt report` writes groups.csv), not only as the mean and variance."""
+    clients = sorted(metrics)
+    return {
+        "client": clients,
+        "correct": [int(metrics[c]["correct"]) for c in clients],
+        "total": [int(metrics[c]["total"]) for c in clients],
+    }
+
+
 def run_method(
     strategy: Strategy,
     fed: Federation,
@@ -423,7 +435,8 @@ def run_method(
                     present = np.setdiff1d(population.candidates(rnd), transport.lost_clients())
                     models, rows = strategy.eval_models(present)
                     newcomers = population.newcomers()
-                    record.update(accuracy_stats(fed.evaluate(rnd, present, models, rows), newcomers))
+                    scores = fed.evaluate(rnd, present, models, rows)
+                    record.update(accuracy_stats(scores, newcomers), per_client=per_client_scores(scores))
                     timing["eval_s"] = time.perf_counter() - e_tic
                 timing.update(wall_s=time.perf_counter() - tic, setup_s=setup_s)
                 record["bytes"] = _bytes_so_far(transport)

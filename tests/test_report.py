@@ -300,6 +300,11 @@ def test_report_of_a_real_run_through_the_cli(tmp_path):
     html = page.read_text()
     assert "round 2 (arrival)" in html and "adjacency-round2.png" in html and "rounds_to_recover" in html
     assert "clusters_timeline.png" in html  # who was in which cluster, round by round
+    last = json.loads((run / "fedavg" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert len(last["per_client"]["client"]) == last["n_eval"] == 10  # every client's score is kept
+    with open(run / "report" / "groups.csv") as f:
+        groups = list(csv.DictReader(f))
+    assert {r["method"] for r in groups} == {"flt", "fedavg"} and sum(int(r["clients"]) for r in groups) == 2 * 10
     dom, _ = open_in_chromium(page, tmp_path)
     count = len(_images(html))
     assert count >= 6 and f'data-images="{count}/{count}"' in dom
@@ -342,3 +347,49 @@ def test_an_evaluation_no_client_answered_is_never_the_best_round():
     m = method_summary(spec, history, strategy, transport, 4, cfg)
     assert (m["best_accuracy"], m["best_round"]) == (55.0, 4)
     assert m["final_accuracy"] == 50.0
+
+
+def test_accuracy_by_planted_cluster_shows_who_a_method_serves(tmp_path):
+    """FedAvg's mean hides that it serves the big cluster and fails the small one;
+    groups.csv and the page show it per planted cluster, from the last evaluation."""
+    from flt.scenarios.partition import Partition
+
+    run = fake_run(tmp_path / "run")
+    sizes = [50, 50, 50, 5, 5, 5]  # cluster 0 holds ten times the samples of cluster 1
+    Partition(
+        train=[list(range(100 * c, 100 * c + n)) for c, n in enumerate(sizes)],
+        test=[[c] for c in range(6)],
+        cluster=[0, 0, 0, 1, 1, 1],
+    ).save(run / "partition.npz")
+    scores = {"client": list(range(6)), "correct": [9, 10, 8, 1, 0, 2], "total": [10] * 6}
+    records = [json.loads(line) for line in (run / "fedavg" / "metrics.jsonl").read_text().splitlines()]
+    records[-1]["per_client"] = scores
+    (run / "fedavg" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    page = html_report.build([run], out).read_text()
+    with open(out / "groups.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["method"], r["cluster"], r["clients"], r["train_samples"]) for r in rows] == [
+        ("fedavg", "0", "3", "150"),
+        ("fedavg", "1", "3", "15"),
+    ]  # flt's records carry no per-client scores (a run from before they were kept): no rows
+    assert [float(r["accuracy"]) for r in rows] == pytest.approx([90.0, 10.0])
+    assert [float(r["lowest"]) for r in rows] == pytest.approx([80.0, 0.0])
+    assert "Accuracy by planted cluster" in page and "Accuracy by planted cluster" in (out / "report.md").read_text()
+
+
+def test_no_cluster_table_without_planted_clusters_or_with_a_damaged_record(tmp_path):
+    from flt.scenarios.partition import Partition
+
+    run = fake_run(tmp_path / "run")
+    Partition(train=[[0], [1]], test=[[0], [1]], cluster=[-1, -1]).save(run / "partition.npz")
+    records = [json.loads(line) for line in (run / "flt" / "metrics.jsonl").read_text().splitlines()]
+    records[-1]["per_client"] = {"client": [0, 1], "correct": [1, 1], "total": [1, 1]}
+    (run / "flt" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    html_report.build([run], tmp_path / "writers")
+    assert not (tmp_path / "writers" / "groups.csv").exists()  # writers: no planted cluster
+    Partition(train=[[0], [1]], test=[[0], [1]], cluster=[0, 1]).save(run / "partition.npz")
+    records[-1]["per_client"] = {"client": [0, 1], "correct": [1], "total": [1, 1]}
+    (run / "flt" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    html_report.build([run], tmp_path / "damaged")
+    assert not (tmp_path / "damaged" / "groups.csv").exists()
