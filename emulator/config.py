@@ -106,6 +106,14 @@ PARTITION = {
     ),
     "alpha": Field(float, 0.5, "Dirichlet concentration / structured size offset", min=0, open_min=True),
     "delta": Field(float, 0.5, "structured quantity-skew exponent", min=0),
+    "max_per_class": Field(
+        int,
+        None,
+        "keep at most this many training images of each class (a seeded draw, made after the public set is "
+        "held out), for a class-balanced set like EMNIST-balanced from a skewed one; null keeps them all",
+        nullable=True,
+        min=1,
+    ),
     "public_fraction": Field(
         float,
         0.0,
@@ -400,6 +408,8 @@ def resolve(raw: dict) -> dict:
     p = cfg["partition"]
     if p["kind"] in ("clusters", "structured") and p["classes_per_cluster"] <= p["shared_classes"]:
         raise ConfigError("partition.shared_classes: must be smaller than partition.classes_per_cluster")
+    if p["kind"] == "writers" and p["max_per_class"] is not None:
+        raise ConfigError("partition.max_per_class: a writer keeps all its images (kind writers); remove it")
     _check_shift(p)
     if cfg["data"]["dataset"] != "digits" and not cfg["data"]["root"] and not cfg["data"]["download"]:
         raise ConfigError(

@@ -581,6 +581,22 @@ def _skew_sizes(n: int, total: int, alpha: float, delta: float) -> tuple[np.ndar
     return sizes, float(beta)
 
 
+def over_class_cap(
+    y_train: ArrayLike, limit: int, rng: np.random.Generator, exclude: ArrayLike | None = None
+) -> np.ndarray:
+    """Indices of the training images to leave out so that no class keeps more than
+    ``limit`` of its non-excluded images (a seeded, uniform choice of which to keep):
+    a class-balanced set, as EMNIST-balanced is cut from a skewed EMNIST."""
+    y = _labels(y_train, "train")
+    candidates = np.flatnonzero(~_exclude_mask(exclude, len(y)))
+    shuffled = rng.permutation(candidates)
+    order = shuffled[np.argsort(y[shuffled], kind="stable")]  # by class, random inside a class
+    labels = y[order]
+    first = np.searchsorted(labels, labels, side="left")  # each image's class starts here
+    rank = np.arange(len(order)) - first
+    return np.sort(order[rank >= limit])
+
+
 def partition_structured(
     y_train: ArrayLike,
     y_test: ArrayLike,

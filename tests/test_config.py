@@ -65,6 +65,8 @@ def test_bad_method_param_through_the_cli_exits_2(tmp_path):
         ("methods: []\n", "methods", ["at least one"]),
         ("data: {dataset: mnist}\n", "data.root", ["'mnist'", "data root"]),
         ("data: {dataset: no_such_set}\n", "data.dataset", ["'no_such_set'"]),
+        ("partition: {kind: writers, max_per_class: 50}\n", "partition.max_per_class", ["writer keeps all"]),
+        ("partition: {max_per_class: 0}\n", "partition.max_per_class", ["minimum"]),
     ],
 )
 def test_bad_scenarios_name_file_and_field(tmp_path, text, field, words):

@@ -12,6 +12,7 @@ from flt.scenarios.partition import (
     PartitionError,
     _fair_shares,
     cluster_classes,
+    over_class_cap,
     partition_clusters,
     partition_dirichlet,
     partition_groups,
@@ -297,6 +298,39 @@ def test_structured_disjoint_clusters_and_exclude():
             test_per_client=5,
             rng=np.random.default_rng(0),
         )
+
+
+def test_class_cap_balances_a_skewed_set_and_spares_the_held_out():
+    rng = np.random.default_rng(3)
+    y = rng.permutation(np.repeat(np.arange(4), [500, 80, 30, 200]))  # skewed, as FEMNIST's digits
+    held = np.arange(0, len(y), 7)  # the public slice: never counted, never touched
+    drop = over_class_cap(y, 60, np.random.default_rng(0), exclude=held)
+    assert not np.isin(drop, held).any() and len(np.unique(drop)) == len(drop)
+    kept = np.setdiff1d(np.arange(len(y)), np.union1d(drop, held))
+    before = np.bincount(np.delete(y, held), minlength=4)
+    assert np.bincount(y[kept], minlength=4).tolist() == np.minimum(before, 60).tolist()
+    assert np.array_equal(drop, over_class_cap(y, 60, np.random.default_rng(0), exclude=held))
+    other = over_class_cap(y, 60, np.random.default_rng(1), exclude=held)
+    assert not np.array_equal(drop, other)  # which images stay is a seeded draw, not the first ones
+    assert len(over_class_cap(y, 10_000, np.random.default_rng(0))) == 0
+
+
+def test_a_scenarios_class_cap_reaches_the_partition_and_leaves_the_public_slice():
+    from flt.emulator.config import load
+    from flt.emulator.run import build_partition, hold_out_public, load_data
+
+    quickstart = Path(__file__).resolve().parents[1] / "scenarios" / "quickstart.yaml"
+    over = ["partition.kind=structured", "partition.clusters=2", "partition.classes_per_cluster=5"]
+    cfg = load(quickstart, [*over, "partition.public_fraction=0.1", "partition.max_per_class=40"])
+    train, test = load_data(cfg)
+    public = hold_out_public(cfg, len(train.y))
+    p = build_partition(cfg, train, test, public)
+    used = np.concatenate(p.train)
+    assert np.bincount(train.y[used]).max() == 40 and not np.isin(used, public).any()
+    assert len(used) == 40 * 10  # digits has 160-180 images a class; ten classes, two clusters of five
+    uncapped = build_partition(load(quickstart, [*over, "partition.public_fraction=0.1"]), train, test, public)
+    assert len(np.concatenate(uncapped.train)) > 3 * len(used)
+    assert build_partition(cfg, train, test, public) == p  # the same seed, the same draw
 
 
 # ----------------------------------------------------------------------------- S3
