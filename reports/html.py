@@ -16,6 +16,7 @@ import json
 import math
 import re
 import zipfile
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -39,14 +40,33 @@ class Run:
     config: str
     command: str | None
     metrics: dict[str, list[dict]] = field(default_factory=dict)  # label -> records
+    alias: str | None = None  # set when another run in the same report has the same scenario name
 
     @cached_property
     def cfg(self) -> dict:
         return yaml.safe_load(self.config) or {} if self.config else {}
 
     @property
-    def name(self) -> str:
+    def scenario(self) -> str:
         return self.summary.get("scenario") or self.path.name
+
+    @property
+    def name(self) -> str:
+        return self.alias or self.scenario
+
+
+def tell_apart(runs: list[Run]) -> list[Run]:
+    """Runs of one scenario with different settings (`--set`) share its name: each is
+    then named by its folder too, so their rows, sections and figures stay apart."""
+    counts = Counter(run.scenario for run in runs)
+    for run in runs:
+        if counts[run.scenario] > 1:
+            run.alias = f"{run.scenario} ({run.path.name})"
+    folders = Counter(run.name for run in runs)
+    for run in runs:
+        if folders[run.name] > 1:  # same folder name under different parents
+            run.alias = f"{run.scenario} ({run.path})"
+    return runs
 
 
 def run_folders(paths: list[Path]) -> list[Path]:
@@ -483,12 +503,12 @@ def fcr_section(run: Run) -> list[str]:
 
 
 def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
 
 
 def build(paths: list[Path], out: Path) -> Path:
     """Write report.html, report.md and the CSV tables into `out`; return the page's path."""
-    runs = [load_run(p) for p in run_folders(paths)]
+    runs = tell_apart([load_run(p) for p in run_folders(paths)])
     make_folder(out, "--out")
     rows = [method_row(run, label) for run in runs for label in run.summary["methods"]]
     fcr = [r for run in runs for r in fcr_rows(run)]

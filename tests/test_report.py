@@ -393,3 +393,20 @@ def test_no_cluster_table_without_planted_clusters_or_with_a_damaged_record(tmp_
     (run / "flt" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     html_report.build([run], tmp_path / "damaged")
     assert not (tmp_path / "damaged" / "groups.csv").exists()
+
+
+def test_runs_of_one_scenario_with_different_settings_are_told_apart(tmp_path):
+    """Two runs of one scenario (say, with and without `--set partition.max_per_class`)
+    keep their own rows, sections and convergence figures, named by their folders."""
+    a, b = fake_run(tmp_path / "capped"), fake_run(tmp_path / "as_shipped")
+    out = tmp_path / "out"
+    page = html_report.build([a, b], out).read_text()
+    with open(out / "methods.csv") as f:
+        names = {r["scenario"] for r in csv.DictReader(f)}
+    assert names == {"toy (capped)", "toy (as_shipped)"}
+    assert "<h2>toy (capped)</h2>" in page and "<h2>toy (as_shipped)</h2>" in page
+    assert len(list(out.glob("convergence-*.png"))) == 2
+    c = fake_run(tmp_path / "other" / "capped")
+    html_report.build([a, c], tmp_path / "out2")
+    with open(tmp_path / "out2" / "methods.csv") as f:
+        assert len({r["scenario"] for r in csv.DictReader(f)}) == 2  # same folder name, other parent
