@@ -111,7 +111,7 @@ def attach_shift(cfg: dict, partition: part.Partition, num_classes: int) -> part
 def _label_partition(cfg: dict, train: Dataset, test: Dataset, public: np.ndarray) -> part.Partition:
     p = cfg["partition"]
     rng = np.random.default_rng([cfg["seed"], 0xDA7A])
-    if p["max_per_class"] is not None and p["kind"] != "writers":  # writers: refused by config.check
+    if p["max_per_class"] is not None and p["kind"] != "writers":  # with writers: refused when the scenario resolves
         cap_rng = np.random.default_rng([cfg["seed"], 0xCA9])
         public = np.union1d(public, part.over_class_cap(train.y, p["max_per_class"], cap_rng, exclude=public))
     common = dict(test_per_client=p["test_per_client"], rng=rng, exclude=public)

@@ -229,7 +229,10 @@ def group_rows(run: Run) -> list[dict]:
         scores = last["per_client"]
         if len({len(scores.get(k) or ()) for k in ("client", "correct", "total")}) != 1:
             continue  # a hand-edited or damaged record: no table rather than a wrong one
-        client, correct, total = (np.asarray(scores[k], dtype=np.int64) for k in ("client", "correct", "total"))
+        try:
+            client, correct, total = (np.asarray(scores[k], dtype=np.int64) for k in ("client", "correct", "total"))
+        except (TypeError, ValueError):
+            continue
         keep = (total > 0) & (client >= 0) & (client < len(truth))
         client, acc = client[keep], 100.0 * correct[keep] / total[keep]
         for g in np.unique(truth[client]):

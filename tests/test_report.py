@@ -393,6 +393,10 @@ def test_no_cluster_table_without_planted_clusters_or_with_a_damaged_record(tmp_
     (run / "flt" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     html_report.build([run], tmp_path / "damaged")
     assert not (tmp_path / "damaged" / "groups.csv").exists()
+    records[-1]["per_client"] = {"client": [0, "one"], "correct": [1, 1], "total": [1, 1]}
+    (run / "flt" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    html_report.build([run], tmp_path / "not_numbers")
+    assert not (tmp_path / "not_numbers" / "groups.csv").exists()
 
 
 def test_runs_of_one_scenario_with_different_settings_are_told_apart(tmp_path):
