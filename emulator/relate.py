@@ -134,8 +134,26 @@ def describe(r: dict) -> str:
     return (
         f"FCR ({r['method']}): {clusters_of(r['clusters'], sizes)}{sil}\n"
         f"  {quality}\n"
+        f"{why_not_more(r.get('next_cut'), r['pipeline'])}"
         f"  {r['n_clients']} clients, {mb:.2f} MB on the wire (encoder + centroids), "
         f"{r['wall_s']:.1f} s in all, {r['server_seconds']:.2f} s of it clustering on the server"
+    )
+
+
+def why_not_more(cut: dict | None, pipeline: dict) -> str:
+    """A line on the cut with one cluster more (server/fcr.py next_cut), or nothing."""
+    if not cut:
+        return ""
+    z = cut.get("heldout_z")
+    held = (
+        f", held-out z {round(min(z), 1) + 0.0:.1f} for the split it adds "  # + 0.0: no "-0.0"
+        f"(min_heldout_keep {pipeline.get('min_heldout_keep', 0):.1f})"
+        if z
+        else ""
+    )
+    return (
+        f"  why not {cut['clusters']}: weakest split score {cut['weakest_split_score']:.2f} "
+        f"(min_split {pipeline.get('min_split', 0):.2f}), smallest cluster {cut['smallest_cluster']}{held}\n"
     )
 
 

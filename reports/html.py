@@ -163,9 +163,24 @@ def fcr_rows(run: Run) -> list[dict]:
                     "separation": r.get("separation"),
                     "ari": r.get("ari"),
                     "nmi": r.get("nmi"),
+                    **next_cut_columns(r.get("next_cut")),
                 }
             )
     return rows
+
+
+def next_cut_columns(cut: object) -> dict:
+    """Why not one more cluster (server/fcr.py next_cut): the cut C + 1's weakest split
+    score and the smaller held-out z of the split it adds; empty cells for a run written
+    before it was reported, or one whose C was not chosen by the split rule."""
+    cut = cut if isinstance(cut, dict) else {}
+    z = cut.get("heldout_z")
+    numbers = [x for x in z if isinstance(x, (int, float))] if isinstance(z, list) else []
+    return {
+        "next_clusters": cut.get("clusters"),
+        "next_weakest_split": cut.get("weakest_split_score"),
+        "next_heldout_z": min(numbers) if numbers else None,
+    }
 
 
 def change_rows(run: Run) -> list[dict]:

@@ -75,6 +75,7 @@ class Clustering:
     silhouette: float | None  # of the chosen cut on A (None for C = 1)
     separation: float | None = None  # of the best cut, whether it was kept or not (module docstring)
     chosen_by: str | None = None  # which rule set C under choose 'halves': "splits" or "halves"
+    next_cut: dict | None = None  # why not one more cluster (`next_cut`); None unless C was chosen by splits/halves
 
 
 @dataclass
@@ -321,7 +322,7 @@ def relate(
     log.info("FCR: %d outlying client(s) %s joined their nearest cluster", len(lone), lone.tolist()[:10])
     return Clustering(
         labels, got.distance, cluster_graph(labels), got.linkage, int(labels.max() + 1),
-        _silhouette(got.distance, labels), inner.separation, inner.chosen_by,
+        _silhouette(got.distance, labels), inner.separation, inner.chosen_by, inner.next_cut,
     )  # fmt: skip
 
 
@@ -411,7 +412,7 @@ def _relate(
     else:
         z = linkage(squareform(adj, checks=False), method=how.linkage)
     cap = max(1, min(max_clusters, m - 1))
-    gap, chosen_by = None, None
+    gap, chosen_by, held, after = None, None, None, None
     if n_clusters != "auto":
         if int(n_clusters) > m:  # a scenario's C written for more clients than came
             log.warning("%d clusters asked for %d clients: every client is a cluster of its own", n_clusters, m)
@@ -421,7 +422,9 @@ def _relate(
     elif how.choose in ("splits", "halves"):
         c = split_clusters(z, squared, cap, how.min_split)
         if how.choose == "halves" and halves is not None and len(halves.members) >= 4:
-            c, chosen_by = choose_with_halves(c, HeldOut(halves, kind, m, device), z, squared, how, cap)
+            held = HeldOut(halves, kind, m, device)
+            c, chosen_by = choose_with_halves(c, held, z, squared, how, cap)
+        after = next_cut(z, squared, c, held) if c < cap else None
     else:
         c = silhouette_clusters(z, adj, cap, how.min_silhouette, how.silhouette_slack)
     cut = fcluster(z, c, criterion="maxclust") - 1
@@ -438,7 +441,30 @@ def _relate(
     c = int(labels.max() + 1)
     if graph is None:
         graph = cluster_graph(labels)
-    return Clustering(labels, adj, graph, z, c, _silhouette(adj, labels), gap, chosen_by)
+    return Clustering(labels, adj, graph, z, c, _silhouette(adj, labels), gap, chosen_by, after)
+
+
+def next_cut(z: np.ndarray, squared: np.ndarray, c: int, held: HeldOut | None) -> dict:
+    """Why the chosen cut has C clusters and not C + 1, for the report: the cut C + 1's
+    smallest cluster, its weakest merge by `split_score` (every one must reach min_split),
+    and how far the clients' held-out halves separate the merge that cut adds (`heldout_z`
+    on each half, for the nearest pair of clusters; None without halves). A weakest score
+    just under the bar with a large z is a split the data may hold but the rule could not
+    tell from pieces of one group."""
+    m = len(squared)
+    final = fcluster(z, c + 1, criterion="maxclust") - 1
+    members = _members(z, m, c)
+    nodes = range(2 * m - c - 1, 2 * m - 1)
+    scores = [split_score(squared, *members[node], final) for node in nodes]
+    added = members[2 * m - c - 1]
+    return {
+        "clusters": c + 1,
+        "smallest_cluster": int(np.bincount(final).min()),
+        "weakest_split_score": float(min(scores)),
+        "added_split_score": float(scores[0]),
+        "added_sizes": [len(added[0]), len(added[1])],
+        "heldout_z": None if held is None else held.z_scores(*nearest_clusters(squared, *added, final)),
+    }
 
 
 def separation(adj: np.ndarray, labels: np.ndarray, points: list[np.ndarray], sample: int = 2000) -> float:
@@ -632,14 +658,25 @@ class HeldOut:
         """Whether two groups of clients (whole-data indices) are min_z apart on each half;
         a side none of whose clients sent halves cannot be tested, and passes. Verdicts
         are kept: a pair of clusters recurs in every coarser cut."""
-        left, right = self._row[left], self._row[right]
-        left, right = left[left >= 0], right[right >= 0]
+        left, right = self._rows(left, right)
         if not len(left) or not len(right) or not can_reach(len(left), len(right), min_z):
             return True
         key = (left.tobytes(), right.tobytes(), min_z)
         if key not in self._verdicts:
             self._verdicts[key] = all(heldout_z(half, left, right) >= min_z for half in self._halves)
         return self._verdicts[key]
+
+    def z_scores(self, left: np.ndarray, right: np.ndarray) -> list[float] | None:
+        """`heldout_z` of two groups of clients (whole-data indices) on each half; None when a
+        side has no client that sent halves."""
+        left, right = self._rows(left, right)
+        if not len(left) or not len(right):
+            return None
+        return [heldout_z(half, left, right) for half in self._halves]
+
+    def _rows(self, left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        left, right = self._row[left], self._row[right]
+        return left[left >= 0], right[right >= 0]
 
 
 def can_reach(n_left: int, n_right: int, min_z: float) -> bool:

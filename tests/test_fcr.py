@@ -609,3 +609,31 @@ def test_a_scenario_can_keep_the_cut_as_it_is():
     assert flt_pipeline(parse_methods([{"name": "flt", "refine_clusters": False}])[0].params).refine is False
     with pytest.raises(ConfigError, match="refine_clusters"):
         parse_methods([{"name": "flt", "refine_clusters": "yes"}])
+
+
+def test_the_cut_with_one_more_cluster_says_why_it_was_not_taken():
+    """Six nested groups: the cut of seven splits a real group, so its weakest split scores
+    under the bar (the reason C is 6), and the report says so; with the bar lowered below
+    that score, the split rule takes the seventh cluster (the number is the rule's own)."""
+    sets, _ = nested()
+    got = default_relate(sets)
+    cut = got.next_cut
+    assert got.n_clusters == 6 and cut["clusters"] == 7
+    assert cut["weakest_split_score"] < fcr.PRESETS["set"].min_split
+    assert cut["added_split_score"] >= cut["weakest_split_score"] and sum(cut["added_sizes"]) >= 2
+    assert cut["heldout_z"] is None  # no halves were sent
+    lower = dataclasses.replace(fcr.PRESETS["set"], choose="splits", min_split=cut["weakest_split_score"] - 1e-9)
+    assert cut["smallest_cluster"] >= 2
+    assert fcr.relate(fcr.whiten(sets), lower).n_clusters >= 7
+
+
+def test_the_next_cut_reports_the_held_out_separation_of_the_split_it_adds():
+    """Pieces of one group (elongated_groups) are vetoed by the halves: the cut with one
+    cluster more adds a split whose held-out z on each half is noise, under the veto's bar."""
+    whole, halves, _ = elongated_groups(0)
+    got = fcr.relate(whole, fcr.PRESETS["set"], halves=halves)
+    z = got.next_cut["heldout_z"]
+    assert got.n_clusters == 3 and len(z) == 2
+    assert got.next_cut["weakest_split_score"] >= fcr.PRESETS["set"].min_split  # the split rule alone takes it
+    assert min(z) < fcr.PRESETS["set"].min_heldout_keep
+    assert fcr.relate(whole, fcr.PRESETS["set"], n_clusters=4).next_cut is None  # C given, not chosen

@@ -300,6 +300,11 @@ def test_flt_relate_runs_fcr_alone_over_device_processes(tmp_path):
     assert "ARI 1.000" in res.stdout
     report = json.loads((tmp_path / "relate.json").read_text())
     assert report["n_clients"] == CLIENTS and report["planted_clusters"] == 5
+    # why not 6: a sixth cluster splits a planted group of 4, which the rule refuses
+    nxt = report["next_cut"]
+    assert nxt["clusters"] == 6 and f"why not 6: weakest split score {nxt['weakest_split_score']:.2f}" in res.stdout
+    refused = nxt["weakest_split_score"] < report["pipeline"]["min_split"] or nxt["smallest_cluster"] < 2
+    assert refused or min(nxt["heldout_z"]) < report["pipeline"]["min_heldout_keep"]
     assert report["bytes"]["up"]["embedding"] > 0 and report["bytes"]["down"]["encoder"] > 0
     for name in ("adjacency.png", "dendrogram.png", "centroids.png", "fcr.npz"):
         assert (tmp_path / "flt" / name).is_file(), name

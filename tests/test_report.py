@@ -74,6 +74,7 @@ def fake_run(folder: Path, name: str = "toy") -> Path:
             "silhouette": 0.61,
             "ari": 1.0,
             "nmi": 1.0,
+            "next_cut": {"clusters": 3, "weakest_split_score": 1.5, "heldout_z": [7.5, 6.25], "smallest_cluster": 1},
         },
         {
             "round": 2,
@@ -173,7 +174,11 @@ def test_markdown_and_csv_hold_the_same_tables(tmp_path):
     assert float(rows["flt"]["final_accuracy"]) == 90.0 and rows["flt"]["ari"] == "0.8"
     assert rows["fedavg"]["ari"] == "" and int(rows["flt"]["down_encoder"]) == 5000
     with open(out / "fcr.csv") as f:
-        assert [r["round"] for r in csv.DictReader(f)] == ["0", "2"]
+        fcr_table = list(csv.DictReader(f))
+    assert [r["round"] for r in fcr_table] == ["0", "2"]
+    # why not one cluster more, where the run reported it (the later record did not)
+    assert [r["next_clusters"] for r in fcr_table] == ["3", ""]
+    assert fcr_table[0]["next_weakest_split"] == "1.5" and fcr_table[0]["next_heldout_z"] == "6.25"
     with open(out / "changes.csv") as f:
         assert {r["method"] for r in csv.DictReader(f)} == {"fedavg", "flt"}
 

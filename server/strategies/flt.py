@@ -219,6 +219,7 @@ class FLT(Reclustering):
             "silhouette": fcr.silhouette_or_zero(found.distance, chosen) if placed else found.silhouette,
             "separation": found.separation,
             "chosen_by": found.chosen_by,
+            "next_cut": found.next_cut,
             "pipeline": asdict(how),
             "cluster_sizes": np.unique(chosen, return_counts=True)[1].tolist(),
             **placed,
