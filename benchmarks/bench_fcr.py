@@ -14,10 +14,11 @@ find), times the server functions of server/fcr.py exactly as FLT calls them:
                           ratio naive / vectorized is printed and the results compared
   paper pipeline          Ward on the rows of A~ = [A <= gamma] of the UMAP points, C at
                           the largest dendrogram gap (relatedness: paper)
-  default pipeline        energy distance between the clients' 128-d centroid sets (FLT
-                          whitens them first; the synthetic ones here are not), Ward linkage, C by the split rule (and the report's
-                          cut with one cluster more): no UMAP (relatedness: set; no
-                          held-out halves here, so no held-out test)
+  default pipeline        energy distance between the clients' 128-d centroid sets
+                          (FLT whitens them first; the synthetic ones here are not),
+                          Ward linkage, C by the split rule and the report's cut with
+                          one cluster more: no UMAP (relatedness: set; no held-out
+                          halves here, so no held-out test)
 
 Run:
     .venv/bin/python benchmarks/bench_fcr.py            # M = 100, 600, 2400
