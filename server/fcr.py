@@ -452,9 +452,15 @@ def next_cut(z: np.ndarray, squared: np.ndarray, c: int, held: HeldOut | None) -
     just under the bar with a large z is a split the data may hold but the rule could not
     tell from pieces of one group."""
     m = len(squared)
-    final = fcluster(z, c + 1, criterion="maxclust") - 1
     members = _members(z, m, c)
     nodes = range(2 * m - c - 1, 2 * m - 1)
+    # the C + 1 subtrees under the top C merges (fcluster would give fewer on tied heights)
+    final = np.empty(m, np.int64)
+    below = [
+        side for n in nodes for side, child in zip(members[n], z[n - m, :2], strict=True) if int(child) not in nodes
+    ]
+    for i, side in enumerate(below):
+        final[side] = i
     scores = [split_score(squared, *members[node], final) for node in nodes]
     added = members[2 * m - c - 1]
     return {

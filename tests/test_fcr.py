@@ -637,3 +637,13 @@ def test_the_next_cut_reports_the_held_out_separation_of_the_split_it_adds():
     assert got.next_cut["weakest_split_score"] >= fcr.PRESETS["set"].min_split  # the split rule alone takes it
     assert min(z) < fcr.PRESETS["set"].min_heldout_keep
     assert fcr.relate(whole, fcr.PRESETS["set"], n_clusters=4).next_cut is None  # C given, not chosen
+
+
+def test_the_next_cut_of_identical_clients_is_the_dendrograms_own():
+    """All distances zero: fcluster would give one cluster for 'two' on the tied heights;
+    the report's cut is the two subtrees under the top merge, and it scores 0."""
+    got = fcr.relate([np.ones((3, 4)) for _ in range(5)], fcr.PRESETS["set"])
+    cut = got.next_cut
+    assert got.n_clusters == 1 and cut["clusters"] == 2
+    assert cut["smallest_cluster"] == min(cut["added_sizes"]) and sum(cut["added_sizes"]) == 5
+    assert cut["weakest_split_score"] == 0.0
