@@ -27,6 +27,7 @@ from flt.emulator.run import (
 )
 from flt.emulator.session import Session, check_device_ops, check_local_accelerator
 from flt.reports import summary as report
+from flt.reports.fcr_text import describe_clustering
 from flt.reports.figures import scatter
 from flt.reports.terminal import Progress
 from flt.reports.writer import write_artifacts
@@ -119,44 +120,13 @@ def _fcr_traffic(transport: Transport) -> dict:
 
 
 def describe(r: dict) -> str:
-    sizes = ", ".join(map(str, r["cluster_sizes"]))
-    quality = (
-        f"ARI {r['ari']:.3f}, NMI {r['nmi']:.3f} against {r['planted_clusters']} planted clusters"
-        if "ari" in r
-        else "no planted clusters to compare with"
-    )
-    sil = f", silhouette {r['silhouette']:.3f}" if r.get("silhouette") is not None else ""
-    if r.get("separation") is not None:  # of the best cut, kept or not (server/fcr.py)
-        sil += f", separation {r['separation']:.3f}"
-    if r.get("chosen_by") == "halves":  # C from the held-out test (server/fcr.py HeldOut)
-        sil += ", C set by the held-out halves"
+    first, *rest = describe_clustering(r)
     mb = sum(sum(v.values()) for v in r["bytes"].values()) / 1e6
-    return (
-        f"FCR ({r['method']}): {clusters_of(r['clusters'], sizes)}{sil}\n"
-        f"  {quality}\n"
-        f"{why_not_more(r.get('next_cut'), r['pipeline'])}"
-        f"  {r['n_clients']} clients, {mb:.2f} MB on the wire (encoder + centroids), "
-        f"{r['wall_s']:.1f} s in all, {r['server_seconds']:.2f} s of it clustering on the server"
+    return "\n".join(
+        [
+            f"FCR ({r['method']}): {first}",
+            *(f"  {line}" for line in rest),
+            f"  {r['n_clients']} clients, {mb:.2f} MB on the wire (encoder + centroids), "
+            f"{r['wall_s']:.1f} s in all, {r['server_seconds']:.2f} s of it clustering on the server",
+        ]
     )
-
-
-def why_not_more(cut: dict | None, pipeline: dict) -> str:
-    """A line on the cut with one cluster more (server/fcr.py next_cut), or nothing."""
-    if not cut:
-        return ""
-    z = cut.get("heldout_z")
-    held = (
-        f", held-out z {round(min(z), 1) + 0.0:.1f} for the split it adds "  # + 0.0: no "-0.0"
-        f"(min_heldout_keep {pipeline.get('min_heldout_keep', 0):.1f})"
-        if z
-        else ""
-    )
-    return (
-        f"  why not {cut['clusters']}: weakest split score {cut['weakest_split_score']:.2f} "
-        f"(min_split {pipeline.get('min_split', 0):.2f}), smallest cluster {cut['smallest_cluster']}{held}\n"
-    )
-
-
-def clusters_of(c: int, sizes: str) -> str:
-    """'5 clusters of sizes [4, 4, ...]', or '1 cluster of size [20]'."""
-    return f"{c} clusters of sizes [{sizes}]" if c != 1 else f"1 cluster of size [{sizes}]"

@@ -395,6 +395,7 @@ def run_method(
         fed.present, fed.events = np.setdiff1d(population.candidates(0), transport.lost_clients()), []
         strategy.setup(fed)
         write_artifacts(out_dir, strategy.take_artifacts())
+        _print_notes(progress, strategy)
         done, history, setup_s = 0, [], time.perf_counter() - tic
         (out_dir / "metrics.jsonl").write_text("")
         pacer.save(save_checkpoint, out_dir, 0, setup_s, strategy, fed, population)
@@ -454,6 +455,7 @@ def run_method(
                 # a bar on a terminal, a line every few rounds elsewhere; arrivals, drift and
                 # re-clustering always get their line
                 step(progress, rnd, rounds, _line(record, rounds), "round", force=bool(events))
+                _print_notes(progress, strategy)  # a re-clustering's clusters
         except KeyboardInterrupt:
             # the last record is on disk; let the summary say so too (not after the last
             # round: there the summary's count marks the method finished, and its last
@@ -595,6 +597,11 @@ def _round_clock(round_report: dict, events: list[dict]) -> dict:
 def _bytes_so_far(transport: Transport) -> dict:
     t = transport.ledger.totals()
     return {d: {k: v["payload"] + v["overhead"] for k, v in t[d].items()} for d in t}
+
+
+def _print_notes(progress: Progress, strategy: Strategy) -> None:
+    for line in strategy.take_notes():
+        progress(f"[{strategy.name}] {line}")
 
 
 def _line(r: dict, rounds: int) -> str:

@@ -299,6 +299,11 @@ def test_report_of_a_real_run_through_the_cli(tmp_path):
     )
     assert res.returncode == 0, res.stderr + res.stdout
     assert (run / "command.txt").read_text().startswith("flt run ")
+    # the terminal says what each clustering found, as it happens
+    fcr_runs = json.loads((run / "summary.json").read_text())["methods"]["flt"]["fcr_reports"]
+    first, arrival = fcr_runs[0], fcr_runs[1]
+    assert f"[flt] FCR at set-up: {first['clusters']} cluster" in res.stdout
+    assert "[flt] FCR at round 2 (arrival" in res.stdout and f"ARI {arrival['ari']:.3f}" in res.stdout
     res = subprocess.run([*flt, "report", str(run)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     page = run / "report" / "report.html"
@@ -419,3 +424,24 @@ def test_runs_of_one_scenario_with_different_settings_are_told_apart(tmp_path):
     html_report.build([a, c], tmp_path / "out2")
     with open(tmp_path / "out2" / "methods.csv") as f:
         assert len({r["scenario"] for r in csv.DictReader(f)}) == 2  # same folder name, other parent
+
+
+def test_a_clustering_in_words_says_what_was_found_and_why_not_one_more():
+    from flt.reports.fcr_text import describe_clustering
+
+    r = {
+        "clusters": 8,
+        "cluster_sizes": [20, 21, 10, 10, 10, 10, 9, 10],
+        "silhouette": 0.124,
+        "ari": 0.751,
+        "nmi": 0.904,
+        "planted_clusters": 10,
+        "pipeline": {"min_split": 2.25, "min_heldout_keep": 3.0},
+        "next_cut": {"clusters": 9, "weakest_split_score": 1.917, "smallest_cluster": 8, "heldout_z": [8.28, 9.44]},
+    }
+    first, quality, why = describe_clustering(r)
+    assert first == "8 clusters of sizes [20, 21, 10, 10, 10, 10, 9, 10], silhouette 0.124"
+    assert quality == "ARI 0.751, NMI 0.904 against 10 planted clusters"
+    assert why.startswith("why not 9: weakest split score 1.92 (min_split 2.25), smallest cluster 8, held-out z 8.3")
+    assert len(describe_clustering({**r, "next_cut": None})) == 2
+    assert describe_clustering({"round": 3, "cause": "flags"}) == []  # no clustering in it: nothing to say

@@ -121,7 +121,7 @@ class Strategy:
     # the device half: every operation the method's tasks name (server/ops.py; the device
     # runs devices/ops.py's or devices/methods/<name>.py); the run refuses any other
     DEVICE_OPS: tuple[DeviceOp, ...] = (TRAIN, EVALUATE)
-    TRANSIENT = ("ctx", "artifacts")  # given at construction / written out every round
+    TRANSIENT = ("ctx", "artifacts", "notes")  # given at construction / written out every round
 
     def __init__(self, ctx: Context, **params: object):
         """`params`: the scenario's entry for this method; validated here against PARAMS
@@ -132,6 +132,7 @@ class Strategy:
         if problem := self.check_params(self.params):
             raise ConfigError(f"{self.name}: {problem}")
         self.artifacts: list[Artifact] = []
+        self.notes: list[str] = []  # lines for the person at the terminal (`take_notes`)
 
     @classmethod
     def check_params(cls, params: dict) -> str | None:
@@ -211,6 +212,12 @@ class Strategy:
     def take_artifacts(self) -> list[Artifact]:
         """The artifacts emitted since the last call (the server's reporter writes them)."""
         out, self.artifacts = self.artifacts, []
+        return out
+
+    def take_notes(self) -> list[str]:
+        """Lines written since the last call (FLT: what each clustering found), which the
+        round loop prints: a minutes-long set-up should end with what it found."""
+        out, self.notes = self.notes, []
         return out
 
     # -- helpers shared by the strategies -------------------------------------------------

@@ -119,6 +119,7 @@ class FLT(Reclustering):
         )
         self.fcr_reports.append(report)
         self.timeline.append((0, self.labels.copy()))
+        self.note_clustering(report)
 
     def embed(self, fed: FederationView, clients: np.ndarray, rnd: int, purpose: str = "fcr") -> Exchange:
         """Send the encoder to `clients`, keep the k x e centroids they send back; a client
@@ -219,7 +220,7 @@ class FLT(Reclustering):
             "silhouette": fcr.silhouette_or_zero(found.distance, chosen) if placed else found.silhouette,
             "separation": found.separation,
             "chosen_by": found.chosen_by,
-            "next_cut": found.next_cut,
+            "next_cut": None if placed.get("placement") == "kept" else found.next_cut,  # of the re-run's cut
             "pipeline": asdict(how),
             "cluster_sizes": np.unique(chosen, return_counts=True)[1].tolist(),
             **placed,
@@ -233,6 +234,8 @@ class FLT(Reclustering):
             **self.encoder_info,
             **agreement(chosen, truth),
         }
+        if "ari" in report:  # the clients' own planted clusters (-1: none planted)
+            report["planted_clusters"] = int(len(np.unique(truth[truth >= 0])))
         arrays = {
             "clients": clients,
             "adjacency": found.distance,

@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from flt.reports.fcr_text import describe_clustering
 from flt.server import fcr, placement
 from flt.server.exchange import Call, Exchange
 from flt.server.ops import CHOOSE
@@ -45,6 +46,16 @@ class Reclustering(Strategy):
 
     def embed(self, fed: FederationView, clients: np.ndarray, rnd: int, purpose: str = "fcr") -> Exchange:
         raise NotImplementedError  # FLT: send the encoder, keep the centroids
+
+    def note_clustering(self, report: dict) -> None:
+        """What a clustering found, in words, for the terminal (the round loop prints notes)."""
+        lines = describe_clustering(report)
+        if not lines:
+            return
+        first, *rest = lines
+        when = f"round {report['round']} ({report['cause']})" if report.get("round") else "set-up"
+        placement = {"kept": ", clusters kept", "rerun": ", re-run taken"}.get(str(report.get("placement")), "")
+        self.notes += [f"FCR at {when}{placement}: {first}", *(f"  {line}" for line in rest)]
 
     def relate(self, clients: np.ndarray, tag: str = "", fresh: np.ndarray | None = None) -> dict:
         raise NotImplementedError  # FLT: FCR's server side over `clients`
@@ -137,6 +148,7 @@ class Reclustering(Strategy):
         report["fcr_bytes"] += report.get("start_bytes", 0)
         self.fcr_reports.append(report)
         self.timeline.append((rnd, self.labels.copy()))
+        self.note_clustering(report)
         self.emit(Artifact("clusters_timeline", self._timeline_arrays(), plot="timeline"))
         return report
 
