@@ -330,10 +330,18 @@ def pin_former_defaults(raw: dict) -> None:
     another encoder than the one its first FCR used)."""
     for method in raw.get("methods") or []:
         encoder = method.get("encoder") if isinstance(method, dict) else None
-        if isinstance(encoder, dict):
+        if isinstance(encoder, dict) and "channels" in convae_fields(method.get("name")):
             # autoencoder.PAPER_CHANNELS (not imported: this module stays torch-free); every
             # ConvAE had it before 2026-11-28
             encoder.setdefault("channels", 4)
+
+
+def convae_fields(name: object) -> dict:
+    """The `encoder` settings a method has: a ConvAE's for FLT, only where its public images
+    come from for PCA+kM+HC (no bottleneck to pin), none for a method without an encoder."""
+    method = METHODS.get(name) if isinstance(name, str) else None
+    encoder = method.params.get("encoder") if method else None
+    return (encoder.schema or {}) if encoder else {}
 
 
 def apply_override(raw: dict, item: str) -> None:

@@ -279,3 +279,19 @@ def test_a_resumed_run_keeps_the_bottleneck_it_started_with(tmp_path):
     old["methods"][0]["encoder"]["channels"] = 16  # a newer folder keeps what it says
     path.write_text(yaml.safe_dump(old))
     assert config.load(path, saved=True)["methods"][0]["params"]["encoder"]["channels"] == 16
+
+
+def test_a_resumed_run_of_a_method_without_a_convae_loads(tmp_path):
+    """PCA+kM+HC's `encoder` says only where its public images come from: pinning the
+    ConvAE bottleneck there made every saved PCA+kM+HC run refuse to resume."""
+    cfg = config.load(QUICKSTART)
+    old = {k: v for k, v in cfg.items() if k != "methods"}
+    old["methods"] = [
+        {"name": "pca_km_hc", "label": "pca", "encoder": {"dataset": "public"}},
+        {"name": "flt", "label": "flt", "encoder": {"dataset": "public"}},
+    ]
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(old))
+    pca, flt = config.load(path, saved=True)["methods"]
+    assert "channels" not in pca["params"]["encoder"]
+    assert flt["params"]["encoder"]["channels"] == 4
