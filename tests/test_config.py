@@ -10,6 +10,7 @@ from flt_command import flt  # tests/ is on sys.path under pytest
 
 from flt.common.schema import ConfigError
 from flt.emulator import config
+from flt.server.strategies.params import METHODS
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
@@ -281,17 +282,12 @@ def test_a_resumed_run_keeps_the_bottleneck_it_started_with(tmp_path):
     assert config.load(path, saved=True)["methods"][0]["params"]["encoder"]["channels"] == 16
 
 
-def test_a_resumed_run_of_a_method_without_a_convae_loads(tmp_path):
-    """PCA+kM+HC's `encoder` says only where its public images come from: pinning the
-    ConvAE bottleneck there made every saved PCA+kM+HC run refuse to resume."""
-    cfg = config.load(QUICKSTART)
-    old = {k: v for k, v in cfg.items() if k != "methods"}
-    old["methods"] = [
-        {"name": "pca_km_hc", "label": "pca", "encoder": {"dataset": "public"}},
-        {"name": "flt", "label": "flt", "encoder": {"dataset": "public"}},
-    ]
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_s_saved_config_loads_back_unchanged(tmp_path, method):
+    """What a run writes as config.yaml is what `flt run --resume` reads: pinning the ConvAE
+    bottleneck in PCA+kM+HC's `encoder` section (which has none) once made every saved
+    PCA+kM+HC run refuse to resume."""
+    cfg = config.load(QUICKSTART, [f"methods=[{{name: {method}}}]"])
     path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(old))
-    pca, flt = config.load(path, saved=True)["methods"]
-    assert "channels" not in pca["params"]["encoder"]
-    assert flt["params"]["encoder"]["channels"] == 4
+    path.write_text(config.dump(cfg))
+    assert config.load(path, saved=True) == cfg
