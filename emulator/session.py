@@ -24,6 +24,7 @@ from flt.scenarios import partition as part
 from flt.server.auth import gate_for
 from flt.server.encoder import image_source
 from flt.server.federation import Federation
+from flt.server.routing import host_blocks
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context
 from flt.server.transport import DeviceLost, Transport
@@ -174,14 +175,17 @@ def assign_clients(
     clients: np.ndarray,
     pool: Collection[str] = (),
 ) -> None:
-    """Give each device a contiguous block of `clients` to host: their shard indices, never
-    data. The devices in `pool` (the emulator's own processes, not devices started by
-    hand) also get the shard indices of every client the pool hosts: any of them may then
-    train any of these clients from a sent model (server/routing.py). A device that cannot
+    """Give each device a block of `clients` to host (their shard indices, never data),
+    balanced by training samples (server/routing.py: host_blocks). The devices in `pool`
+    (the emulator's own processes, not devices started by hand) also get the shard indices
+    of every client the pool hosts: any of them may then train any of these clients from a
+    sent model (server/routing.py). A device that cannot
     take its block (it reports an error, does not answer within the timeout, or says ready
     for other clients) is lost with its clients, named in the log, and the run goes on
     without it; with no device left, nobody can train (DeviceError)."""
-    blocks = dict(zip(devices, np.array_split(np.asarray(clients, dtype=np.int64), len(devices)), strict=True))
+    clients = np.asarray(clients, dtype=np.int64)
+    samples = np.array([len(partition.train[c]) for c in clients.tolist()], dtype=np.int64)
+    blocks = dict(zip(devices, host_blocks(clients, samples, len(devices)), strict=True))
     shared = [d for d in devices if d in pool] if len(set(pool) & set(devices)) > 1 else []
     pooled = np.concatenate([blocks[d] for d in shared]) if shared else np.zeros(0, np.int64)
     if partition.shift is not None:

@@ -8,7 +8,7 @@ import numpy as np
 from test_wire import _dealer, _serve  # tests/ is on sys.path under pytest
 
 from flt.common.wire import Message
-from flt.server.routing import spread
+from flt.server.routing import host_blocks, spread
 from flt.server.transport import Transport
 
 
@@ -40,6 +40,25 @@ def test_largest_clients_are_placed_first_by_their_samples():
     both = ("a", "b")
     dest = spread(home, home, dict.fromkeys(home, both), both, size)
     assert sorted(loads(dest, size).values()) == [600, 600]
+
+
+def test_hosts_get_even_shares_of_samples_when_ids_come_group_by_group():
+    # a structured partition numbers clients group by group, and the first groups hold most
+    # of the data (pooled FEMNIST's digits); id blocks gave one of two hosts 5x the other's
+    rng = np.random.default_rng(0)
+    samples = np.concatenate([rng.integers(200, 800, 20), rng.integers(20, 60, 80)])
+    clients = np.arange(100) + 7  # ids need not start at 0 (newcomers)
+    for n in (2, 3, 7):
+        blocks = host_blocks(clients, samples, n)
+        assert np.array_equal(np.sort(np.concatenate(blocks)), clients)  # each client hosted once
+        assert all(np.all(np.diff(b) > 0) for b in blocks)
+        assert max(map(len, blocks)) - min(map(len, blocks)) <= 1
+        load = [samples[b - 7].sum() for b in blocks]
+        assert max(load) - min(load) <= samples.max()
+        id_blocks = [samples[b - 7].sum() for b in np.array_split(clients, n)]
+        assert max(load) < 0.8 * max(id_blocks)
+    assert host_blocks(clients, samples, 2)[0].tolist() == host_blocks(clients, samples, 2)[0].tolist()
+    assert [len(b) for b in host_blocks(np.arange(2), np.ones(2), 3)] == [1, 1, 0]
 
 
 def test_a_task_goes_only_where_the_shard_is_and_never_to_a_lost_device():
