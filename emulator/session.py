@@ -84,7 +84,7 @@ class Session:
         ctx = Context(
             init=init,
             n_clients=partition.n_clients,
-            n_train=np.array([len(t) for t in partition.train]),
+            n_train=partition.train_sizes,
             device=aggregation_device(),
             seed=cfg["seed"],
             truth=partition.cluster.copy(),
@@ -184,8 +184,7 @@ def assign_clients(
     for other clients) is lost with its clients, named in the log, and the run goes on
     without it; with no device left, nobody can train (DeviceError)."""
     clients = np.asarray(clients, dtype=np.int64)
-    samples = np.array([len(partition.train[c]) for c in clients.tolist()], dtype=np.int64)
-    blocks = dict(zip(devices, host_blocks(clients, samples, len(devices)), strict=True))
+    blocks = dict(zip(devices, host_blocks(clients, partition.train_sizes[clients], len(devices)), strict=True))
     shared = [d for d in devices if d in pool] if len(set(pool) & set(devices)) > 1 else []
     pooled = np.concatenate([blocks[d] for d in shared]) if shared else np.zeros(0, np.int64)
     if partition.shift is not None:

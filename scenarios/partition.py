@@ -86,6 +86,11 @@ class Partition:
     def n_clients(self) -> int:
         return len(self.train)
 
+    @property
+    def train_sizes(self) -> np.ndarray:
+        """[M]: each client's number of training samples."""
+        return np.array([len(t) for t in self.train], dtype=np.int64)
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Partition) or self.n_clients != other.n_clients:
             return False

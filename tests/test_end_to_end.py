@@ -71,7 +71,7 @@ def test_run_folder_holds_config_partition_metrics_and_plot(fedavg_run):
 
 def hosted(run_dir: Path, n_clients: int, n_devices: int) -> list[list[int]]:
     """The clients each device hosted (balanced by training samples, server/routing.py)."""
-    sizes = np.array([len(t) for t in Partition.load(run_dir / "partition.npz").train[:n_clients]])
+    sizes = Partition.load(run_dir / "partition.npz").train_sizes[:n_clients]
     return [b.tolist() for b in host_blocks(np.arange(n_clients), sizes, n_devices)]
 
 
