@@ -372,10 +372,18 @@ class CohortTrainer:
     # -- evaluation -----------------------------------------------------------------
     @torch.no_grad()
     def evaluate(
-        self, stacked: torch.Tensor, xs: list[torch.Tensor], ys: list[torch.Tensor], chunk: int = 256
+        self,
+        stacked: torch.Tensor,
+        xs: list[torch.Tensor],
+        ys: list[torch.Tensor],
+        chunk: int = 256,
+        vectorize: bool | str = "auto",
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-client (correct, total, mean loss) of model b on client b's data."""
+        """Per-client (correct, total, mean loss) of model b on client b's data: one vmapped
+        pass over the padded cohort, or (`use_vmap` says no: a CNN on a CPU) client by client."""
         self.model.eval()
+        if not use_vmap(vectorize, self.model, stacked.device):
+            return self._evaluate_loop(stacked, xs, ys, chunk)
         xpad, lengths = _pad(xs)
         ypad, _ = _pad(ys)
         params = unflatten(stacked.float(), self.spec)
@@ -394,11 +402,37 @@ class CohortTrainer:
                 loss[i] += ce[i, :n].sum()
         return correct.cpu(), lengths.float(), loss.cpu() / lengths.clamp(min=1)
 
+    def _evaluate_loop(
+        self, stacked: torch.Tensor, xs: list[torch.Tensor], ys: list[torch.Tensor], chunk: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`evaluate` one client at a time, unpadded. The padded pass computes every client
+        on as many samples as the cohort's largest: on S4's writers (22 to 805 images)
+        that is several times the work, and IFCA's pick does it once per cluster model
+        (benchmarks/bench_pick.py). A client's figures depend on its own data only."""
+        correct, loss = torch.zeros(len(xs)), torch.zeros(len(xs))
+        for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+            params = unflatten(stacked[i].float(), self.spec)
+            for lo in range(0, len(x), chunk):
+                logits = functional_call(self.model, params, (_floats(x[lo : lo + chunk]),))
+                yb = y[lo : lo + chunk]
+                correct[i] += (logits.argmax(-1) == yb).sum().item()
+                loss[i] += F.cross_entropy(logits, yb, reduction="sum").item()
+        lengths = torch.tensor([float(len(x)) for x in xs])
+        return correct, lengths, loss / lengths.clamp(min=1)
+
     @torch.no_grad()
-    def losses_of(self, candidates: torch.Tensor, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> torch.Tensor:
+    def losses_of(
+        self,
+        candidates: torch.Tensor,
+        xs: list[torch.Tensor],
+        ys: list[torch.Tensor],
+        vectorize: bool | str = "auto",
+    ) -> torch.Tensor:
         """Loss of each of K candidate models on each client's data: [B, K] (IFCA)."""
         b = len(xs)
-        cols = [self.evaluate(candidates[k].expand(b, -1), xs, ys)[2] for k in range(len(candidates))]
+        cols = [
+            self.evaluate(candidates[k].expand(b, -1), xs, ys, vectorize=vectorize)[2] for k in range(len(candidates))
+        ]
         return torch.stack(cols, dim=1)
 
 

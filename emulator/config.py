@@ -155,7 +155,8 @@ TRAIN = {
         (bool, str),
         "auto",
         "train a device's cohort in one vmapped call (true), one client "
-        "at a time (false), or auto: vmap on a GPU and for the MLP, the loop for CNNs on a CPU",
+        "at a time (false), or auto: vmap on a GPU and for the MLP, the loop for CNNs on a CPU "
+        "(evaluation always follows auto)",
         choices=("auto",),
     ),
 }

@@ -116,6 +116,28 @@ def test_a_clients_evaluation_does_not_depend_on_its_cohort(trainer):
     assert torch.equal(c2, correct[ids]) and torch.equal(t2, total[ids]) and torch.equal(l2, loss[ids])
 
 
+def test_a_cnn_on_a_cpu_is_evaluated_client_by_client_with_the_padded_passs_figures():
+    """`evaluate` takes the unpadded client loop for a CNN on a CPU (IFCA's pick ran 8x
+    slower padded on S4's writers): same counts, same losses up to float rounding, and a
+    client's figures do not depend on its cohort."""
+    torch.manual_seed(0)
+    net = build_model("leaf_cnn", (1, 28, 28), 62)
+    tr, init = CohortTrainer(net, param_spec(net)), flatten(net)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randint(0, 256, (n, 1, 28, 28), generator=g, dtype=torch.uint8) for n in SIZES]
+    ys = [torch.randint(0, 62, (n,), generator=g) for n in SIZES]
+    models = init.expand(len(SIZES), -1) + 0.05 * torch.randn(len(SIZES), init.numel(), generator=g)
+    padded = tr.evaluate(models, xs, ys, chunk=16, vectorize=True)
+    loop = tr.evaluate(models, xs, ys, chunk=16, vectorize=False)
+    auto = tr.evaluate(models, xs, ys, chunk=16)
+    assert all(torch.equal(a, b) for a, b in zip(auto, loop, strict=True))  # auto: the loop here
+    assert torch.equal(loop[0], padded[0]) and torch.equal(loop[1], padded[1])
+    assert torch.allclose(loop[2], padded[2], atol=1e-5, rtol=0) and bool((loop[2] > 0).all())
+    ids = [3, 1]
+    alone = tr.evaluate(models[ids], [xs[i] for i in ids], [ys[i] for i in ids], chunk=16)
+    assert all(torch.equal(a, b[ids]) for a, b in zip(alone, loop, strict=True))
+
+
 def test_client_streams_depend_on_seed_and_client_only():
     draw = lambda seed, c: torch.rand(3, generator=client_generator(seed, c))  # noqa: E731
     assert torch.equal(draw(5, 2), draw(5, 2))
