@@ -28,7 +28,7 @@ import torch
 import zmq
 
 from flt.common.determinism import deterministic_kernels
-from flt.common.heap import limit_heap_retention, skip_triton
+from flt.common.heap import limit_heap_retention, skip_triton, working_heap
 from flt.common.keys import Credentials, HandshakeWatch
 from flt.common.wire import Message, ProtocolError, decode, encode
 from flt.devices import ops
@@ -345,7 +345,8 @@ class Device:
         kind = batch[0].kind
         try:
             start = time.monotonic()
-            replies = ops.lookup(ops.op_name(batch[0]))(self, batch)
+            with working_heap():  # a CNN's per-step buffers reused, not faulted in anew
+                replies = ops.lookup(ops.op_name(batch[0]))(self, batch)
             delay = {m.client: m.meta.get("delay_s", 0.0) for m in batch}
             for reply in sorted(replies, key=lambda r: delay.get(r.client, 0.0)):
                 wait = start + delay.get(reply.client, 0.0) - time.monotonic()
