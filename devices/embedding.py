@@ -4,7 +4,9 @@ Three encoders can arrive over the wire (message kind "encoder"):
 - "onnx": the frozen ConvAE encoder as ONNX bytes, run with onnxruntime (Enc1);
 - "autoencoder": the whole ConvAE as a flat float32 vector; each client fine-tunes its
   own copy for J epochs on its own data (Enc2), then embeds with it in eval mode;
-- "linear": a shared PCA basis (components, mean) for the PCA+kM+HC baseline.
+- "linear": a shared PCA basis (components, mean) for the PCA+kM+HC baseline;
+- "own_pca": no encoder, only e: each client fits PCA on its own data (PCA+kM+HC as the
+  FLT authors' code runs it, `basis: client`).
 Only summaries leave the device: k x e centroids of all the client's data and of each of two
 halves of it (what the server tests its clusters on), with their shares.
 """
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import torch
 from sklearn.cluster import KMeans
+from sklearn.decomposition import PCA
 from sklearn.metrics import silhouette_score
 from torch.func import functional_call, vmap
 
@@ -42,6 +45,24 @@ def embed_onnx(onnx_bytes: np.ndarray, xs: list[torch.Tensor]) -> list[np.ndarra
 def embed_linear(components: np.ndarray, mean: np.ndarray, xs: list[torch.Tensor]) -> list[np.ndarray]:
     flat = (torch.cat(xs).flatten(1).numpy() - mean) @ components.T
     return np.split(flat.astype(np.float32), np.cumsum([len(x) for x in xs])[:-1])
+
+
+def embed_own_pca(xs: list[torch.Tensor], latent: int, seeds: list[int]) -> list[np.ndarray]:
+    """Each client's data in the first `latent` principal axes of its own data (pixels
+    flattened as sent, uint8 scaled to [0, 1]), as the FLT authors' PCA+kM+HC does. A client
+    with fewer samples than `latent` has fewer axes; the rest are zero columns (the authors
+    repeat the samples to fit `latent` axes, whose extra ones carry no variance either).
+    One scikit-learn PCA per client: its axes are its own, shared with no one."""
+    out = []
+    for x, seed in zip(xs, seeds, strict=True):
+        flat = x.flatten(1).numpy().astype(np.float64)
+        flat = flat / 255.0 if x.dtype == torch.uint8 else flat
+        e = min(latent, len(flat), flat.shape[1])
+        z = np.zeros((len(flat), latent), dtype=np.float32)
+        if e > 0:
+            z[:, :e] = PCA(n_components=e, random_state=seed).fit_transform(flat)
+        out.append(z)
+    return out
 
 
 def embed_finetuned(

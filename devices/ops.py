@@ -230,10 +230,10 @@ def evaluate(device: Device, batch: list[Message], slice_size: int = 256) -> lis
 
 @register("embed")
 def embed(device: Device, batch: list[Message]) -> list[Message]:
-    """FCR: embed the client's data with the encoder sent (ONNX, a PCA basis, or an
-    autoencoder to fine-tune first), then send k seeded k-means centroids and each one's
-    share of the client's samples (or, with k = "labels", one mean per class it holds,
-    its class in a last column, and the class's share)."""
+    """FCR: embed the client's data with the encoder sent (ONNX, a PCA basis, an
+    autoencoder to fine-tune first, or none: a PCA basis of its own), then send k seeded
+    k-means centroids and each one's share of the client's samples (or, with k = "labels",
+    one mean per class it holds, its class in a last column, and the class's share)."""
     meta, t = batch[0].meta, batch[0].tensors
     xs = [device.shards[m.client].x for m in batch]
     if meta["format"] != "autoencoder":  # onnxruntime and numpy read host memory
@@ -246,6 +246,8 @@ def embed(device: Device, batch: list[Message]) -> list[Message]:
         components, mean = np.array(t["components"]), np.array(t["mean"])
         embs = embedding.embed_linear(components, mean, xs)
         device.watch.embedder = lambda x: embedding.embed_linear(components, mean, [torch.from_numpy(x)])[0]
+    elif meta["format"] == "own_pca":  # each client's own PCA basis: not kept either
+        embs = embedding.embed_own_pca(xs, int(meta["latent"]), [client_seed(meta["seed"], m.client) for m in batch])
     else:  # each client's own fine-tuned encoder: not kept (devices/watch.py)
         embs = embedding.embed_finetuned(t["weights"], meta, xs, generators(batch))
     out = []
@@ -255,7 +257,7 @@ def embed(device: Device, batch: list[Message]) -> list[Message]:
         device.flags.discard(m.client)
         # the image test sees neither a fine-tuned encoder it does not keep nor a label
         # change (k: labels): then any change of the store raises the flag
-        testable = meta["format"] != "autoencoder" and meta["k"] != "labels"
+        testable = meta["format"] in ("onnx", "linear") and meta["k"] != "labels"
         device.watch.remember(m.client, _images_of(device.shards[m.client]), client_seed(0, m.client), testable)
         out.append(
             Message(

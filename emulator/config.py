@@ -428,7 +428,7 @@ def resolve(raw: dict) -> dict:
     _check_distribution(cfg["population"]["profiles"])
     _check_clock(cfg["population"])
     for i, spec in enumerate(cfg["methods"]):
-        if isinstance(spec["params"].get("encoder"), dict):
+        if encoder_source(spec) is not None:
             _check_encoder(spec["params"]["encoder"], cfg, f"methods[{i}]({spec['label']}).encoder")
         if spec["name"] == "fedprox":
             _check_prox(spec["params"]["mu"], cfg["train"], f"methods[{i}]({spec['label']}).mu")
@@ -523,13 +523,20 @@ def _check_encoder(source: dict, cfg: dict, where: str) -> None:
         raise ConfigError(f"{where}.root: dataset {short(name)} needs a data root (here or in data.root)")
 
 
+def encoder_source(spec: dict) -> dict | None:
+    """The public images a method's encoder is fitted on; None for a method with no encoder
+    or whose clients fit their own (PCA+kM+HC `basis: client`)."""
+    source = spec["params"].get("encoder")
+    return source if isinstance(source, dict) and spec["params"].get("basis") != "client" else None
+
+
 def load_encoder_sources(cfg: dict) -> None:
     """Load every encoder's pretraining set once before anything starts, so a missing or
     damaged file stops the run here, naming the method, rather than at its FCR."""
     seen = set()
     for i, spec in enumerate(cfg["methods"]):
-        source = spec["params"].get("encoder")
-        if not isinstance(source, dict) or source["dataset"] == "public":
+        source = encoder_source(spec)
+        if source is None or source["dataset"] == "public":
             continue
         key = (source["dataset"], source.get("root") or cfg["data"]["root"])
         if key not in seen:

@@ -75,6 +75,10 @@ def pca_basis(images: np.ndarray, components: int, seed: int) -> tuple[np.ndarra
 
 
 def pca_payload(ctx: Context, params: dict) -> tuple[dict[str, np.ndarray], dict, dict]:
+    if params["basis"] == "client":  # nothing to send but e: each client fits its own PCA
+        d = int(np.prod(ctx.in_shape))
+        e = max(1, min(int(params["components"]), d))
+        return {}, {"format": "own_pca", "k": params["k"], "latent": e}, {"pca_components": e, "pca_basis": "client"}
     images = ctx.public_images(params["encoder"])
     components, mean, info = pca_basis(images, params["components"], ctx.seed)
     meta = {

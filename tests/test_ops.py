@@ -288,6 +288,35 @@ def test_subspace_sends_each_class_top_singular_vectors_and_is_checked(served_de
     assert fed.run(SUBSPACE, 0, {4: Call({}, {"basis": 2, "dim": 784})}).results == {}
 
 
+def test_with_no_basis_sent_each_client_embeds_in_its_own_principal_axes(served_device):
+    """PCA+kM+HC `basis: client` (the FLT authors' code) over a real socket: nothing goes
+    down but e; each client's centroids are k-means of its own PCA coordinates, so their
+    share-weighted mean is 0 and the axes its 12 images cannot fill are zero columns."""
+    from flt.devices.embedding import embed_own_pca
+
+    server, dev, _ = served_device
+    fed = _fed(server)
+    fed.shard_sizes = lambda c: (12, 4)
+    ex = fed.embed(0, np.array([4, 7]), {}, {"format": "own_pca", "k": 2, "latent": 16})
+    assert sorted(ex.kept) == [4, 7]
+    assert server.ledger.totals()["down"]["encoder"]["payload"] == 0  # no basis travels
+    for c, (cents, shares, halves) in ex.results.items():
+        assert cents.shape == (2, 16) and halves is not None
+        np.testing.assert_allclose(shares @ cents, 0.0, atol=1e-5)  # its own data's mean
+        np.testing.assert_array_equal(cents[:, 12:], 0.0)
+        own = embed_own_pca([dev.shards[c].x], 16, [0])[0]
+        # the summary spans the client's own top axis (|first coordinate| of its centroids)
+        assert np.abs(cents[:, 0]).max() <= np.abs(own[:, 0]).max() + 1e-5
+    a, b = (embed_own_pca([dev.shards[c].x], 16, [0])[0] for c in (4, 7))
+    together = embed_own_pca([dev.shards[4].x, dev.shards[7].x], 16, [0, 0])
+    np.testing.assert_array_equal(together[0], a)  # a client's axes are its own alone
+    np.testing.assert_array_equal(together[1], b)
+    from sklearn.decomposition import PCA
+
+    pixels = dev.shards[4].x.flatten(1).double().numpy()
+    np.testing.assert_allclose(a[:, :12], PCA(n_components=12).fit_transform(pixels), atol=1e-5)
+
+
 def test_a_client_summarises_all_its_data_and_each_of_two_disjoint_halves():
     from flt.devices.embedding import split_halves
 

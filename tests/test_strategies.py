@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -437,6 +438,22 @@ def test_pca_km_hc_payload_is_linear(tmp_path):
     assert info["public_images"] == 300 and 0 < mean.max() <= 1.0  # pixels scaled to [0, 1]
     assert "umap" not in PCAKMHC.PARAMS and "gamma_quantile" in PCAKMHC.PARAMS
     assert [p.tolist() for p in s.project([np.ones((2, 3))])] == [np.ones((2, 3)).tolist()]
+
+
+def test_pca_km_hc_client_basis_sends_only_the_axis_count(tmp_path):
+    ctx = make_ctx(tmp_path)
+    ctx.in_shape = (1, 6, 6)
+    s = PCAKMHC(ctx, components=16, basis="client")  # the FLT authors' code: PCA on each client
+    tensors, meta, info = s.encoder_payload()
+    assert tensors == {} and meta == {"format": "own_pca", "k": 5, "latent": 16}
+    assert info["pca_basis"] == "client"
+    assert PCAKMHC(ctx, basis="client").encoder_payload()[1]["latent"] == 36  # capped by the pixels
+    s.payload_meta = meta
+    s.how = replace(s.how, space="whitened")  # pooled statistics would mix unrelated axes
+    points = [np.arange(6.0).reshape(2, 3)]
+    assert [p.tolist() for p in s.project(points)] == [points[0].tolist()]
+    with pytest.raises(ConfigError, match="basis"):
+        validate({"basis": "server"}, PCAKMHC.PARAMS, "methods[0]")
 
 
 def test_pca_km_hc_relate_finds_planted_groups(tmp_path):

@@ -286,6 +286,11 @@ def test_encoder_sources_are_checked_before_anything_starts(tmp_path):
         config.load(QUICKSTART, ["methods=[{name: pca_km_hc, encoder: {dataset: digits}}]"])
     with pytest.raises(ConfigError, match=r"encoder.root: dataset 'femnist' needs a data root"):
         config.load(QUICKSTART, ["methods=[{name: flt, encoder: {dataset: femnist}}]"])
+    # clients that fit their own PCA need no public images: nothing to check or load
+    own = config.load(QUICKSTART, ["partition.public_fraction=0", "methods=[{name: pca_km_hc, basis: client}]"])
+    assert config.encoder_source(own["methods"][0]) is None
+    with pytest.raises(ConfigError, match=r"methods\[0\]\(pca_km_hc\).encoder.dataset: 'public' needs"):
+        config.load(QUICKSTART, ["partition.public_fraction=0", "methods=[{name: pca_km_hc, basis: public}]"])
 
 
 @pytest.mark.slow

@@ -160,9 +160,9 @@ class FLT(Reclustering):
         if self.how.space == "embedding":
             return points
         if self.how.space == "whitened":
-            # each client fine-tuned its own copy of the encoder (Enc2): no coordinates are
-            # shared beyond the starting point, so pooled statistics would mix them
-            if self.payload_meta.get("format") == "autoencoder":
+            # each client fine-tuned its own copy of the encoder (Enc2) or fitted its own
+            # PCA: no coordinates are shared, so pooled statistics would mix them
+            if self.payload_meta.get("format") in ("autoencoder", "own_pca"):
                 return points
             return fcr.whiten(points, weights)
         u = self.params["umap"]

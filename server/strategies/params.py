@@ -354,6 +354,14 @@ PCA_KM_HC = {
     "components": Field(
         int, 128, "e, the number of principal components (capped by the public set size and the pixel count)", min=1
     ),
+    "basis": Field(
+        str,
+        "public",
+        "public: one PCA basis fitted by the server on the public images, so every client's "
+        "centroids share its axes; client: each client fits PCA on its own images and sends "
+        "centroids in its own axes (the FLT authors' code)",
+        choices=("public", "client"),
+    ),
     "gamma": Field(
         float,
         None,

@@ -10,6 +10,12 @@ One-off relatedness, as FLT's FCR but:
   3. the server skips UMAP: distances between the clients' centroid sets are taken in
      PCA space, then FLT's clustering and Case I / II training.
 
+`basis: client` is the FLT authors' code instead of step 1: each client fits PCA (e axes)
+on its own images, embeds them and sends k-means centroids in its own axes. Nothing goes
+down but e, and no two clients share coordinates, so the distances between their centroid
+sets compare unrelated axes (the paper: "the client-side linear dimensionality reduction
+seems to be the bottleneck"). It is offered to measure that, not as a method to use.
+
 Relatedness. By default FLT's 'set' pipeline (energy distance between the whitened,
 share-weighted centroid sets, Ward linkage, C the finest real cut, refined), which has no
 threshold, so the comparison with FLT isolates the encoder. With `relatedness: paper`
