@@ -48,15 +48,14 @@ def embed_linear(components: np.ndarray, mean: np.ndarray, xs: list[torch.Tensor
 
 
 def embed_own_pca(xs: list[torch.Tensor], latent: int, seeds: list[int]) -> list[np.ndarray]:
-    """Each client's data in the first `latent` principal axes of its own data (pixels
-    flattened as sent, uint8 scaled to [0, 1]), as the FLT authors' PCA+kM+HC does. A client
+    """Each client's data in the first `latent` principal axes of its own data (the
+    shard's [0, 1] pixels, flattened), as the FLT authors' PCA+kM+HC does. A client
     with fewer samples than `latent` has fewer axes; the rest are zero columns (the authors
     repeat the samples to fit `latent` axes, whose extra ones carry no variance either).
     One scikit-learn PCA per client: its axes are its own, shared with no one."""
     out = []
     for x, seed in zip(xs, seeds, strict=True):
         flat = x.flatten(1).numpy().astype(np.float64)
-        flat = flat / 255.0 if x.dtype == torch.uint8 else flat
         e = min(latent, len(flat), flat.shape[1])
         z = np.zeros((len(flat), latent), dtype=np.float32)
         if e > 0:
