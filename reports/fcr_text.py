@@ -22,6 +22,8 @@ def describe_clustering(r: dict) -> list[str]:
     else:
         quality = "no planted clusters to compare with"
     lines = [f"{clusters_of(r['clusters'], sizes)}{sil}", quality]
+    if r.get("gamma") is not None and "mean_degree" in r:  # a threshold graph: Case I trains on it
+        lines.append(f"graph A~ = [A <= {r['gamma']:.4g}]: {r['mean_degree']:.2f} neighbours a client, itself included")
     why = why_not_more(r.get("next_cut"), r.get("pipeline") or {})
     return lines + ([why] if why else [])
 

@@ -45,6 +45,7 @@ in 128 dimensions took 46 s on a loaded 2-core machine, 145 s with the held-out 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable
@@ -60,7 +61,7 @@ from sklearn.metrics import silhouette_score
 
 # the pipelines' knobs and presets are FLT's parameters: they live with them, torch-free (and
 # stay importable from here: a checkpoint written before the move names flt.server.fcr:Relatedness)
-from flt.server.strategies.params import CHOOSERS, DISTANCES, LINKAGES, PRESETS, SPACES, Relatedness  # noqa: F401
+from flt.server.strategies.params import CHOOSERS, DISTANCES, LINKAGES, MAX_MATCHED, PRESETS, SPACES, Relatedness  # noqa: F401
 
 log = logging.getLogger("flt.server")
 
@@ -149,6 +150,9 @@ def set_distance(
     """A_ij between client i's and client j's point sets:
     min: min_{r,s} d_rs (the paper); chamfer: (mean_r min_s d_rs + mean_s min_r d_rs) / 2;
     hausdorff: max(max_r min_s d_rs, max_s min_r d_rs);
+    matched: sqrt(min_pi mean_r d_{r pi(r)}^2) over the one-to-one matchings pi of the
+    smaller set into the larger (the FLT authors' code, `min_matching_distance`, which
+    thresholds its square; every matching is tried, so k is at most MAX_MATCHED);
     energy: 2 mean_{r,s} d_rs - mean_{r,r'} d_rr' - mean_{s,s'} d_ss' (Szekely's energy
     distance between the two sets as samples: 0 only for equal sets, and every point
     counts, so it compares whole distributions rather than nearest matches).
@@ -173,6 +177,7 @@ def set_distance(
         penalty = 2 * float(u.norm(dim=2).max())
     flat, valid = u.reshape(m * k, dim), mask.reshape(m * k)
     w = _point_weights(weights, mask, u.dtype).to(u.device)  # [M, k], each row sums to 1
+    matchings = one_to_one(k, u.device) if kind == "matched" else None
     out = torch.empty(m, m, dtype=torch.float64, device=u.device)
     for lo in range(0, m, chunk):
         rows_valid = mask[lo : lo + chunk]  # [c, k]
@@ -181,6 +186,9 @@ def set_distance(
         if cls is not None:
             other = cls[lo : lo + chunk].view(-1, k, 1, 1) != cls.view(1, 1, m, k)
             d = d + other * penalty
+        if matchings is not None:
+            out[lo : lo + chunk] = matched_distance(d, rows_valid, mask, matchings)
+            continue
         d = d.masked_fill(~valid.view(1, 1, m, k), torch.inf).masked_fill(~rows_valid.view(-1, k, 1, 1), torch.inf)
         if kind == "min":
             out[lo : lo + chunk] = d.amin(dim=(1, 3))
@@ -207,6 +215,44 @@ def set_distance(
     dist = (dist + dist.T) / 2  # exact symmetry (float rounding of the two halves)
     np.fill_diagonal(dist, 0.0)
     return dist
+
+
+def one_to_one(k: int, device: torch.device) -> torch.Tensor:
+    """[k!, k]: every permutation of k centroids, for `matched_distance`."""
+    if k > MAX_MATCHED:
+        raise ValueError(
+            f"distance 'matched' tries every one-to-one matching of two clients' centroids: "
+            f"at most {MAX_MATCHED} centroids a client, got {k} (lower k)"
+        )
+    return torch.as_tensor(list(itertools.permutations(range(k))), dtype=torch.int64, device=device)
+
+
+def matched_distance(
+    d: torch.Tensor, rows_valid: torch.Tensor, mask: torch.Tensor, matchings: torch.Tensor, budget: int = 1 << 24
+) -> torch.Tensor:
+    """[c, M] root mean squared distance of the best one-to-one matching between each of c
+    clients' centroids (d: [c, k, M, k] distances) and every client's. The smaller set's
+    points are all matched, each to a different point of the larger; the larger set's
+    unmatched points cost nothing (padding included), so a pair's cost is the mean over
+    the smaller set's points. Matchings are scanned in blocks to bound memory."""
+    c, k, m, _ = d.shape
+    sq = d.permute(0, 2, 1, 3) ** 2  # [c, M, r, s]
+    r_valid, s_valid = rows_valid[:, None, :, None], mask[None, :, None, :]
+    n_i, n_j = rows_valid.sum(1), mask.sum(1)
+    i_smaller = (n_i[:, None] <= n_j[None, :])[:, :, None, None]
+    # a point of the smaller set may not be left unmatched (matched to padding)
+    forbidden = (r_valid & ~s_valid & i_smaller) | (~r_valid & s_valid & ~i_smaller)
+    cost = torch.where(r_valid & s_valid, sq, torch.zeros((), dtype=sq.dtype, device=sq.device))
+    cost = cost.masked_fill(forbidden, torch.inf)
+    rows = torch.arange(k, device=d.device)
+    best = torch.full((c, m), torch.inf, dtype=sq.dtype, device=sq.device)
+    step = max(1, budget // max(1, c * m * k))
+    for lo in range(0, len(matchings), step):  # blocks of matchings, not pairs of clients
+        block = matchings[lo : lo + step]  # [b, k]
+        total = cost[:, :, rows[None, :], block].sum(-1)  # [c, M, b]
+        best = torch.minimum(best, total.amin(-1))
+    pairs = torch.minimum(n_i[:, None], n_j[None, :]).clamp_min(1).to(sq.dtype)
+    return (best / pairs).sqrt()
 
 
 def _point_weights(weights: list[np.ndarray] | None, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -5,7 +5,9 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 from scipy.cluster.hierarchy import fcluster, linkage
+from scipy.optimize import linear_sum_assignment
 from scipy.spatial.distance import cdist, squareform
 from sklearn.metrics import adjusted_rand_score
 
@@ -24,6 +26,10 @@ def slow_distance(points, kind):
                 out[i, j] = d.min()
             elif kind == "chamfer":
                 out[i, j] = (d.min(1).mean() + d.min(0).mean()) / 2
+            elif kind == "matched":  # Hungarian on a rectangular cost: the smaller set all matched
+                sq = d**2
+                rows, cols = linear_sum_assignment(sq)
+                out[i, j] = np.sqrt(sq[rows, cols].mean())
             elif kind == "energy":
                 own_i, own_j = cdist(points[i], points[i]).mean(), cdist(points[j], points[j]).mean()
                 out[i, j] = 2 * d.mean() - own_i - own_j
@@ -45,6 +51,21 @@ def test_set_distances_equal_a_double_loop(kind, chunk):
     # energy is a difference of means: torch.cdist's rounding (about 1e-7 here) does not cancel
     tol = 1e-6 if kind == "energy" else 1e-10
     np.testing.assert_allclose(got, slow_distance(points, kind), rtol=tol, atol=tol)
+
+
+def test_matched_distance_scans_matchings_in_blocks_and_refuses_too_many_centroids():
+    rng = np.random.default_rng(3)
+    points = [rng.normal(size=(int(k), 4)) for k in rng.integers(3, 7, size=9)]
+    u, mask = fcr.pad(points)
+    d = torch.cdist(u.reshape(-1, 4), u.reshape(-1, 4)).view(9, 6, 9, 6)
+    matchings = fcr.one_to_one(6, torch.device("cpu"))
+    whole = fcr.matched_distance(d, mask, mask, matchings)
+    blocks = fcr.matched_distance(d, mask, mask, matchings, budget=1)  # one matching at a time
+    torch.testing.assert_close(whole, blocks)
+    # a relabelling of a client's own centroids is no distance: the matching undoes it
+    assert fcr.set_distance([points[0], points[0][::-1].copy()], "matched")[0, 1] == pytest.approx(0.0, abs=1e-9)
+    with pytest.raises(ValueError, match=r"matched.*at most 8"):
+        fcr.set_distance([rng.normal(size=(9, 2)), rng.normal(size=(9, 2))], "matched")
 
 
 def planted(n_clients=60, n_clusters=5, k=5, dim=16, classes=2, shared=0, seed=0, spread=0.25):
@@ -206,6 +227,22 @@ def test_ward_on_the_graph_needs_gamma_and_the_scenario_says_so():
     assert spec.params["relatedness"] == "paper"
     with pytest.raises(ConfigError, match="distance"):
         parse_methods([{"name": "flt", "distance": "cosine"}])
+
+
+def test_the_authors_matched_cut_links_by_threshold_and_needs_a_small_fixed_k():
+    sets, truth = planted(n_clients=20)
+    dist = fcr.set_distance(sets, "matched")
+    same = truth[:, None] == truth[None, :]
+    gamma = float(np.quantile(dist[same & ~np.eye(20, dtype=bool)], 0.9))
+    got = fcr.relate(sets, fcr.Relatedness(space="embedding", distance="matched", gamma=gamma))
+    np.testing.assert_array_equal(got.graph, fcr.hard_threshold(dist, gamma))
+    assert got.graph[same].mean() > 0.9 and got.graph[~same].mean() < 0.1  # planted clusters are far apart
+    for method in ("flt", "pca_km_hc"):
+        for k in ("auto", "labels", 9):
+            with pytest.raises(ConfigError, match=rf"methods\[0\]\({method}\).*matched.*at most 8"):
+                parse_methods([{"name": method, "distance": "matched", "k": k}])
+    spec = parse_methods([{"name": "pca_km_hc", "basis": "client", "distance": "matched", "gamma": 1.095, "k": 5}])[0]
+    assert spec.params["distance"] == "matched"
 
 
 def test_ward_linkage_on_a_with_a_given_number_of_clusters():

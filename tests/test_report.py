@@ -445,3 +445,6 @@ def test_a_clustering_in_words_says_what_was_found_and_why_not_one_more():
     assert why.startswith("why not 9: weakest split score 1.92 (min_split 2.25), smallest cluster 8, held-out z 8.3")
     assert len(describe_clustering({**r, "next_cut": None})) == 2
     assert describe_clustering({"round": 3, "cause": "flags"}) == []  # no clustering in it: nothing to say
+    # a thresholded graph (Case I trains on it, not on the clusters) says how dense it is
+    graph = describe_clustering({**r, "next_cut": None, "gamma": 1.095, "mean_degree": 1.26})[2]
+    assert graph == "graph A~ = [A <= 1.095]: 1.26 neighbours a client, itself included"

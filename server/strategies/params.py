@@ -18,7 +18,8 @@ from flt.common.schema import Field, section
 
 # -- FCR's relatedness pipelines (server/fcr.py runs them) ------------------------------
 SPACES = ("whitened", "embedding", "umap")
-DISTANCES = ("chamfer", "energy", "hausdorff", "min")
+DISTANCES = ("chamfer", "energy", "hausdorff", "matched", "min")
+MAX_MATCHED = 8  # 'matched' tries all k! matchings of two clients' centroids: 8! = 40,320
 LINKAGES = ("average", "complete", "single", "ward", "ward_graph")  # ward: on A, as if Euclidean
 CHOOSERS = ("halves", "splits", "silhouette", "gap")
 
@@ -161,7 +162,8 @@ RELATEDNESS = {
     "distance": Field(
         str,
         None,
-        "override A_ij between two clients' centroid sets: energy, chamfer, hausdorff or min (the single closest pair)",
+        "override A_ij between two clients' centroid sets: energy, chamfer, hausdorff, matched (the root mean "
+        "squared distance of the best one-to-one matching, as the FLT authors' code) or min (the single closest pair)",
         nullable=True,
         choices=DISTANCES,
     ),
@@ -340,6 +342,18 @@ def check_flt(params: dict) -> str | None:
     how = flt_pipeline(params)
     if how.linkage == "ward_graph" and how.gamma is None:
         return "linkage 'ward_graph' clusters the thresholded graph A~: set gamma"
+    return check_matched(params)
+
+
+def check_matched(params: dict) -> str | None:
+    """'matched' tries all k! matchings a pair of clients: k must be a number, at most
+    MAX_MATCHED ('auto' may pick up to 10; 'labels' is one per class)."""
+    distance = params["distance"] or PRESETS[params["relatedness"]].distance
+    if distance == "matched" and not (isinstance(params["k"], int) and params["k"] <= MAX_MATCHED):
+        return (
+            "distance 'matched' tries every one-to-one matching of two clients' centroids: "
+            f"set k to at most {MAX_MATCHED}"
+        )
     return None
 
 
@@ -531,7 +545,8 @@ METHODS = {
     "fedprox": Method("flt.server.strategies.fedprox", "FedProx", FEDPROX),
     "local": Method("flt.server.strategies.local", "Local", {}),
     "flt": Method("flt.server.strategies.flt", "FLT", FLT, check_flt),
-    "pca_km_hc": Method("flt.server.strategies.pca_km_hc", "PCAKMHC", PCA_KM_HC),  # ward_graph: gamma by quantile
+    # ward_graph: gamma by quantile, so only the matched distance's k needs checking
+    "pca_km_hc": Method("flt.server.strategies.pca_km_hc", "PCAKMHC", PCA_KM_HC, check_matched),
     "ifca": Method("flt.server.strategies.ifca", "IFCA", IFCA),
     "fedsem": Method("flt.server.strategies.fedsem", "FedSEM", FEDSEM),
     "fesem_soft": Method("flt.server.strategies.fesem_soft", "FeSEMSoft", FESEM_SOFT),
