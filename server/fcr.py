@@ -366,8 +366,9 @@ def relate(
     labels[lone] = nearest_means(got.distance.astype(np.float64) ** 2, core, inner.labels, lone)  # A: a distance
     labels = _canonical(labels)
     log.info("FCR: %d outlying client(s) %s joined their nearest cluster", len(lone), lone.tolist()[:10])
+    graph = got.graph if how.gamma is not None else cluster_graph(labels)  # A~ = [A <= gamma] stands
     return Clustering(
-        labels, got.distance, cluster_graph(labels), got.linkage, int(labels.max() + 1),
+        labels, got.distance, graph, got.linkage, int(labels.max() + 1),
         _silhouette(got.distance, labels), inner.separation, inner.chosen_by, inner.next_cut,
     )  # fmt: skip
 

@@ -358,6 +358,20 @@ def test_one_odd_client_does_not_merge_every_group(seed, offset):
     assert 0 <= got.labels[0] < 5
 
 
+def test_a_threshold_graph_survives_setting_an_odd_client_aside():
+    """With gamma, Case I trains on A~ = [A <= gamma]; relating the rest again after an odd
+    client was set aside must not swap that graph for the clusters' (it once did)."""
+    points, truth = groups_with_one_odd_client(0, 1e6)
+    how = dataclasses.replace(fcr.PRESETS["set"], space="embedding", distance="matched", gamma=5.0)
+    lone = fcr._relate(points, how, "auto", 20, None, None, None, None)
+    assert lone.n_clusters == 1  # the odd client alone: the rest are related again
+    got = fcr.relate(points, how)
+    assert got.n_clusters == 5 and adjusted_rand_score(truth[1:], got.labels[1:]) == 1.0
+    graph = fcr.hard_threshold(got.distance, 5.0)  # the groups linked, the odd client alone
+    assert not np.array_equal(graph, fcr.cluster_graph(got.labels))
+    np.testing.assert_array_equal(got.graph, graph)
+
+
 def test_an_odd_client_alone_on_top_of_a_group_without_structure_leaves_one_cluster():
     points, _ = groups_with_one_odd_client(0, 0.0)
     rng = np.random.default_rng(1)
