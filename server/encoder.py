@@ -18,7 +18,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from flt.common.files import cache_dir
+from flt.common.files import cache_dir, write_atomic
 from flt.common.schema import ConfigError
 from flt.models.autoencoder import ConvAE
 from flt.reports.terminal import Progress, active, step
@@ -102,11 +102,10 @@ def pretrained_autoencoder(
         return ae.eval(), {"cache": str(path), "cached": True, "seconds": 0.0, **known}
     tic = time.perf_counter()
     loss = pretrain(ae, images, settings, device, progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(ae.state_dict(), tmp)
-    facts.write_text(json.dumps({"final_mse": loss}))
-    tmp.replace(path)
+    # each writer its own temporary file: runs sharing the cache may pretrain the same
+    # encoder at once, and the second rename must not find the first one's file gone
+    write_atomic(facts, lambda f: f.write(json.dumps({"final_mse": loss}).encode()))
+    write_atomic(path, lambda f: torch.save(ae.state_dict(), f))
     return ae.eval(), {"cache": str(path), "cached": False, "seconds": time.perf_counter() - tic, "final_mse": loss}
 
 

@@ -234,3 +234,50 @@ def test_a_clients_fine_tuned_embedding_does_not_depend_on_its_device_mates():
         torch.set_num_threads(threads)
     assert [e.shape for e in whole] == [(n, 16) for n in SIZES]
     np.testing.assert_array_equal(whole[3], alone[0])  # bit for bit
+
+
+ENCODER = {"seed": 0, "latent": 8, "channels": 4, "lr": 1e-3, "epochs": 1, "batch_size": 10}
+
+
+def _pretrain_beside_another(cache: str, barrier, results) -> None:
+    """One of two runs pretraining the same encoder into one cache: each waits, once its
+    weights are saved, until the other has saved too, so both renames come after both
+    saves (the interleaving that lost a run of the GPU's six on 2026-12-04)."""
+    import os
+
+    os.environ["FLT_CACHE"] = cache
+    from flt.server import encoder
+
+    save = torch.save
+
+    def save_then_wait(obj, f, *args, **kwargs):
+        save(obj, f, *args, **kwargs)
+        barrier.wait(timeout=120)
+
+    torch.save = save_then_wait
+    images = np.random.default_rng(0).integers(0, 256, (20, 1, 28, 28), dtype=np.uint8)
+    try:
+        ae, _ = encoder.pretrained_autoencoder(images, ENCODER, torch.device("cpu"))
+        results.put(("ok", float(sum(p.abs().sum() for p in ae.parameters()))))
+    except Exception as exc:  # reported to the parent, which fails the test with it
+        results.put(("error", repr(exc)))
+
+
+def test_two_runs_pretraining_the_same_encoder_at_once_both_get_it(tmp_path):
+    """Runs sharing a cache (several `flt compare` at once, as on a GPU) may pretrain one
+    encoder together: each must write its own temporary file, and both must end with it."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_pretrain_beside_another, args=(str(tmp_path), barrier, results)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert [status for status, _ in got] == ["ok", "ok"], got
+    assert got[0][1] == got[1][1]  # the same seed: the same weights
+    left = sorted(p.name for p in (tmp_path / "encoders").iterdir())
+    assert [name for name in left if name.endswith(".tmp")] == []  # nothing half-written stays
+    assert len([name for name in left if name.endswith(".pt")]) == 1
