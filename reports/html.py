@@ -113,8 +113,10 @@ def method_row(run: Run, label: str) -> dict:
         "scenario": run.name,
         "method": label,
         "rounds": m.get("rounds"),
+        "rounds_planned": (run.cfg.get("train") or {}).get("rounds"),
         "final_accuracy": m.get("final_accuracy"),
         "final_se": m.get("final_se"),
+        "final_round": evals[-1]["round"] if evals else None,
         "best_accuracy": best.get("acc_mean", m.get("best_accuracy")),
         "best_se": best.get("acc_se"),
         "best_round": best.get("round", m.get("best_round")),
@@ -304,6 +306,21 @@ def _secs(s) -> str:
     return f"{s:.1f} s" if s < 120 else f"{s / 60:.1f} min"
 
 
+def stopped(r: dict) -> bool:
+    """Whether a run ended before its scenario's T (killed, or stopped at a time limit):
+    its 'final' accuracy is then its last evaluation's, not round T's."""
+    planned, done = r.get("rounds_planned"), r.get("rounds")
+    return isinstance(planned, int) and isinstance(done, int) and done < planned
+
+
+def _rounds_and_final(r: dict) -> tuple[str, str]:
+    final = _pm(r["final_accuracy"], r["final_se"])
+    if not stopped(r):
+        return _fmt(r["rounds"]), final
+    at = f" (round {r['final_round']})" if r.get("final_round") is not None else ""
+    return f"{r['rounds']} of {r['rounds_planned']}, stopped", final + at
+
+
 def results_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     head = [
         "scenario",
@@ -336,8 +353,7 @@ def results_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
             [
                 r["scenario"],
                 r["method"],
-                _fmt(r["rounds"]),
-                _pm(r["final_accuracy"], r["final_se"]),
+                *_rounds_and_final(r),
                 f"{_pm(r['best_accuracy'], r['best_se'])} ({_fmt(r['best_round'])})",
                 _fmt(r["variance"]),
                 _fmt(r["clusters"]),

@@ -448,3 +448,20 @@ def test_a_clustering_in_words_says_what_was_found_and_why_not_one_more():
     # a thresholded graph (Case I trains on it, not on the clusters) says how dense it is
     graph = describe_clustering({**r, "next_cut": None, "gamma": 1.095, "mean_degree": 1.26})[2]
     assert graph == "graph A~ = [A <= 1.095]: 1.26 neighbours a client, itself included"
+
+
+def test_a_run_stopped_before_its_last_round_says_so(tmp_path):
+    """A run killed or stopped at a time limit keeps its rounds so far; its report must not
+    pass the last evaluation off as round T's."""
+    run = fake_run(tmp_path / "run")
+    (run / "config.yaml").write_text("name: toy\ntrain:\n  rounds: 10\n  target_accuracy: 80.0\n")
+    out = tmp_path / "out"
+    html_report.build([run], out)
+    md = (out / "report.md").read_text()
+    assert "| toy | flt | 3 of 10, stopped | 90.00 ± 1.50 (round 3) |" in md
+    with open(out / "methods.csv") as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    fedavg = rows["fedavg"]
+    assert (fedavg["rounds"], fedavg["rounds_planned"], fedavg["final_round"]) == ("3", "10", "3")
+    html_report.build([fake_run(tmp_path / "whole")], tmp_path / "out2")  # all 3 of 3: no mark
+    assert "| toy | flt | 3 | 90.00 ± 1.50 | 91.00 ± 1.50 (2) |" in (tmp_path / "out2" / "report.md").read_text()
