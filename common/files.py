@@ -1,10 +1,13 @@
-"""The cache folder and atomic file writes, shared by data loading, encoders and checkpoints."""
+"""The cache folder, atomic file writes and run-folder locks, shared by data loading,
+encoders, checkpoints and runs."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
@@ -55,3 +58,39 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+LOCK_NAME = ".lock"  # in a run folder: held by the process writing into it
+
+
+@contextmanager
+def folder_lock(folder: Path, what: str, check: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Hold an exclusive lock on a run folder while the block runs. A second run, or a
+    `--resume`, aimed at a folder a live run is writing would write over its config and
+    partition and append to its metrics; it is refused instead, naming the folder and the
+    process holding it (`what`: the option that named the folder). `check` runs once the
+    lock is held and before this process's id is written into it, so a folder it refuses
+    is left as it was. The kernel drops the lock when its holder exits, however it exits,
+    so a killed run leaves none behind."""
+    path = folder / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise FltError(f"{what}: cannot lock the folder {folder}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise FltError(
+            f"{what}: {folder} is in use by another flt run"
+            + (f" (process {holder})" if holder.isdigit() else "")
+            + "; wait for it to end, or choose another folder"
+        ) from None
+    try:
+        check()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +66,11 @@ def relate_scenario(
     """Run FCR once over every client of the scenario; returns the run folder and the report."""
     spec = pick_method(cfg, method)
     check_local_accelerator(cfg["devices"])
-    run_dir = make_run_dir(cfg, out)
+    with ExitStack() as hold:  # the folder stays locked until its report is written
+        return _relate(cfg, spec, make_run_dir(cfg, out, hold), progress, umap)
+
+
+def _relate(cfg: dict, spec: dict, run_dir: Path, progress: Progress, umap: bool) -> tuple[Path, dict]:
     progress(f"run folder: {run_dir}")
     train, test = load_data(cfg)
     public = hold_out_public(cfg, len(train.y))

@@ -9,13 +9,14 @@ participation draws, and writes the results as they come: config.yaml, partition
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from flt.common.files import make_folder
+from flt.common.files import folder_lock, make_folder
 from flt.common.schema import ConfigError
 from flt.common.wire import Message, encode, frame_bytes
 from flt.emulator import processes
@@ -37,10 +38,11 @@ from flt.server.strategies.base import Context
 from flt.server.transport import Transport
 
 
-def make_run_dir(cfg: dict, out: str | None) -> Path:
-    """The run folder, with the resolved config and the command in it. A folder that holds
-    another run's results is refused: writing over its config and summary would lose them
-    and mix its method folders with this run's."""
+def make_run_dir(cfg: dict, out: str | None, hold: ExitStack) -> Path:
+    """The run folder, with the resolved config and the command in it, locked until `hold`
+    closes. A folder that holds another run's results, or that a live run is writing, is
+    refused: writing over its config and summary would lose them and mix its method
+    folders with this run's."""
     if out:
         run_dir = Path(out)
     else:
@@ -50,15 +52,20 @@ def make_run_dir(cfg: dict, out: str | None) -> Path:
         while run_dir.exists():  # two runs started in the same second
             taken += 1
             run_dir = Path(cfg["output"]) / f"{cfg['name']}-{stamp}-{taken}"
+    make_folder(run_dir, "--out" if out else "output")
+    # a live run's folder is refused first (it may hold a summary.json already), then a finished one's
+    hold.enter_context(folder_lock(run_dir, "--out" if out else "output", check=lambda: refuse_finished(run_dir)))
+    (run_dir / "config.yaml").write_text(dump(cfg))
+    (run_dir / "command.txt").write_text(report.command_line() + "\n")  # for `flt report`
+    return run_dir
+
+
+def refuse_finished(run_dir: Path) -> None:
     if (run_dir / "summary.json").is_file():
         raise ConfigError(
             f"--out: {run_dir} already holds a run's results (summary.json); choose another folder, continue "
             f"that run with `flt run --resume {run_dir}`, or delete it"
         )
-    make_folder(run_dir, "--out" if out else "output")
-    (run_dir / "config.yaml").write_text(dump(cfg))
-    (run_dir / "command.txt").write_text(report.command_line() + "\n")  # for `flt report`
-    return run_dir
 
 
 def load_data(cfg: dict) -> tuple[Dataset, Dataset]:
@@ -319,7 +326,13 @@ def carry_over(fed: Federation, previous: Path, progress: Progress) -> None:
 def run_scenario(cfg: dict, out: str | None = None, progress: Progress = print, resume: bool = False) -> Path:
     """Run `cfg` into a new run folder, or (`resume`) continue the killed run in folder
     `out`: finished methods are kept, the interrupted one continues after its last
-    checkpointed round, on the folder's own partition."""
+    checkpointed round, on the folder's own partition. The folder stays locked until the
+    run ends (common/files.py folder_lock)."""
+    with ExitStack() as hold:
+        return _run_scenario(cfg, out, progress, resume, hold)
+
+
+def _run_scenario(cfg: dict, out: str | None, progress: Progress, resume: bool, hold: ExitStack) -> Path:
     processes.prepare_zygote(cfg["devices"])  # devices need it soon: start it before the data loads
     data = cfg["data"]
     progress(f"data: {data['dataset']}" + (f" from {data_root(data['root'])}" if data["root"] else ""))
@@ -328,6 +341,7 @@ def run_scenario(cfg: dict, out: str | None = None, progress: Progress = print, 
         if out is None:
             raise ValueError("run_scenario: resume=True needs out, the run folder to continue")
         run_dir = Path(out)
+        hold.enter_context(folder_lock(run_dir, "--resume"))
         public = load_public(run_dir / "public_indices.npy")
         partition = attach_shift(cfg, part.Partition.load(run_dir / "partition.npz"), train.num_classes)
     else:
@@ -343,7 +357,7 @@ def run_scenario(cfg: dict, out: str | None = None, progress: Progress = print, 
     with torch.random.fork_rng(devices=[]):  # a dry build: the model takes these images
         initial_weights(cfg, train)
     if not resume:
-        run_dir = make_run_dir(cfg, out)
+        run_dir = make_run_dir(cfg, out, hold)
         partition.save(run_dir / "partition.npz")
         np.save(run_dir / "public_indices.npy", public)
         record_shift(run_dir, cfg, partition, train)

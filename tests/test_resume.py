@@ -11,12 +11,13 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from flt_command import QUICKSTART, flt_run  # tests/ is on sys.path under pytest
+from flt_command import QUICKSTART, fedavg_running, flt_run  # tests/ is on sys.path under pytest
 from flt_command import flt as flt_cli
 
 from flt.emulator import config
@@ -376,6 +377,31 @@ def test_a_new_run_into_a_folder_holding_another_runs_results_is_refused(finishe
     assert not (copy / "local").exists()
 
 
+def test_a_folder_a_live_run_writes_is_refused_to_a_second_run_and_to_resume(tmp_path):
+    """A second `flt run --out` into the folder of a run still in its first method (no
+    summary.json yet) wrote its config and partition over the live run's and appended to
+    its metrics; a `--resume` of it ran the same method twice into one file."""
+    out = tmp_path / "live"
+    live = fedavg_running(out)
+    try:
+        before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "summary.json"}
+        second = flt_run(str(QUICKSTART), str(out), "methods=[local]", "train.rounds=1", "seed=5")
+        again = flt_cli("run", "--resume", str(out))
+        for res, option in ((second, "--out"), (again, "--resume")):
+            assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+            assert f"{option}: {out} is in use by another flt run (process {live.pid})" in res.stderr
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name in before} == before
+        assert not (out / "local").exists()
+        assert live.poll() is None  # the live run goes on
+    finally:
+        live.kill()
+        live.wait()
+    from flt.common.files import folder_lock
+
+    with folder_lock(out, "--out"):  # a killed run leaves no lock behind
+        assert (out / ".lock").read_text() == f"{os.getpid()}\n"
+
+
 def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
     from datetime import datetime
 
@@ -389,7 +415,8 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monk
     monkeypatch.setattr(run, "datetime", Frozen)
     monkeypatch.setattr(run.report, "command_line", lambda: "flt run x.yaml")
     cfg = config.load(QUICKSTART, [f"output={tmp_path}"])
-    folders = [run.make_run_dir(cfg, None) for _ in range(3)]
+    with ExitStack() as hold:
+        folders = [run.make_run_dir(cfg, None, hold) for _ in range(3)]
     assert [f.name for f in folders] == [f"quickstart-20261201-170000{s}" for s in ("", "-2", "-3")]
     assert all((f / "config.yaml").is_file() for f in folders)
 
