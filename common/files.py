@@ -4,6 +4,7 @@ encoders, checkpoints and runs."""
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -87,6 +88,10 @@ def folder_lock(folder: Path, what: str, check: Callable[[], None] = lambda: Non
             + (f" (process {holder})" if holder.isdigit() else "")
             + "; wait for it to end, or choose another folder"
         ) from None
+    except OSError as exc:  # a file system without locks (some network mounts): run unguarded
+        logging.getLogger("flt").warning(
+            "%s: cannot lock %s (%s); a second run there would not be refused", what, folder, exc.strerror or exc
+        )
     try:
         check()
         os.ftruncate(fd, 0)

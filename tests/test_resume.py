@@ -402,6 +402,21 @@ def test_a_folder_a_live_run_writes_is_refused_to_a_second_run_and_to_resume(tmp
         assert (out / ".lock").read_text() == f"{os.getpid()}\n"
 
 
+def test_a_file_system_without_locks_runs_unguarded_and_says_so(tmp_path, monkeypatch, caplog):
+    import errno
+    import fcntl
+
+    from flt.common.files import folder_lock
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with folder_lock(tmp_path, "--out"):
+        assert (tmp_path / ".lock").read_text() == f"{os.getpid()}\n"
+    assert "--out: cannot lock" in caplog.text and "No locks available" in caplog.text
+
+
 def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
     from datetime import datetime
 
