@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from flt.common.errors import FltError
+from flt.common.files import folder_lock, make_folder
 from flt.common.schema import ConfigError
 from flt.emulator import config
 from flt.reports import summary as report
@@ -152,10 +153,16 @@ class SuiteDisplay(Display):
 
 def run_suite(paths: list[Path], overrides: list[str], out: Path, display: Display | None = None) -> int:
     """Run every scenario not yet finished; return 0, or the exit code of the first that
-    failed (the others still run)."""
+    failed (the others still run). The suite's folder stays locked until it ends."""
+    entries = plan(paths, overrides, out)
+    # a second suite into this folder would start on the scenarios this one has not reached
+    with folder_lock(make_folder(out, "--out"), "--out"):
+        return _run_entries(entries, out, display)
+
+
+def _run_entries(entries: list[Entry], out: Path, display: Display | None) -> int:
     from flt.emulator.run import run_scenario
 
-    entries = plan(paths, overrides, out)
     states = [state(e) for e in entries]  # every folder checked before anything runs
     display = display or SuiteDisplay(entries).install()  # the encoder's bar goes through it too
     outcome, code = [], 0

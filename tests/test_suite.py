@@ -172,3 +172,19 @@ def test_suite_runs_skips_the_finished_and_resumes_the_interrupted(tmp_path):
     after = json.loads((out / "tiny_b" / "summary.json").read_text())["methods"]
     assert (out / "tiny_b" / "fedavg" / "metrics.jsonl").stat().st_mtime_ns == fedavg_mtime  # kept
     assert after["local"]["final_accuracy"] == before["local"]["final_accuracy"]  # as the first time
+
+
+def test_a_second_suite_into_a_live_suites_folder_is_refused(tmp_path):
+    """Two suites in one folder each ran the scenarios the other had not reached, and then
+    failed on the ones it held; the second is now refused before it runs anything."""
+    import os
+
+    from flt.common.files import folder_lock
+
+    folder, out = scenarios(tmp_path / "sc"), tmp_path / "out"
+    out.mkdir()
+    with folder_lock(out, "--out"):  # as a live `flt suite` holds it
+        res = flt("suite", str(folder), "--out", str(out))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert f"--out: {out} is in use by another flt run (process {os.getpid()})" in res.stderr
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]  # no scenario started
