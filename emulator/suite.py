@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from flt.common.errors import FltError
-from flt.common.files import folder_lock, make_folder
+from flt.common.files import LOCK_NAME, folder_lock, make_folder
 from flt.common.schema import ConfigError
 from flt.emulator import config
 from flt.reports import summary as report
@@ -77,8 +77,8 @@ def plan(paths: list[Path], overrides: list[str], out: Path) -> list[Entry]:
 def state(entry: Entry) -> str:
     """'new', 'interrupted' or 'finished' (every method ran all its rounds)."""
     folder = entry.folder
-    if not folder.exists() or not any(folder.iterdir()):
-        return "new"
+    if not folder.exists() or not [p for p in folder.iterdir() if p.name != LOCK_NAME]:
+        return "new"  # a run killed the instant it locked its folder leaves only the lock file
     if not (folder / "config.yaml").is_file():
         raise ConfigError(
             f"{folder}: exists but is not a run folder (no config.yaml); move it, or choose another --out"

@@ -76,6 +76,10 @@ def test_state_new_finished_interrupted_and_a_changed_scenario(tmp_path):
     a, b = suite.plan([scenarios(tmp_path / "sc")], ["train.rounds=3"], tmp_path / "out")
     assert a.cfg["train"]["rounds"] == 3 and a.folder == tmp_path / "out" / "tiny_a"
     assert suite.state(a) == "new"
+    a.folder.mkdir(parents=True)
+    (a.folder / ".lock").write_text("123\n")  # killed the instant it locked its folder
+    assert suite.state(a) == "new"
+    shutil.rmtree(a.folder)
     finish(a, 3)
     finish(b, 2)  # killed: its methods stopped at round 2 of 3
     assert suite.state(a) == "finished" and suite.state(b) == "interrupted"
