@@ -75,7 +75,7 @@ def folder_lock(folder: Path, what: str, check: Callable[[], None] = lambda: Non
     so a killed run leaves none behind."""
     path = folder / LOCK_NAME
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # never write through a link
     except OSError as exc:
         raise FltError(f"{what}: cannot lock the folder {folder}: {exc.strerror or exc}") from None
     try:

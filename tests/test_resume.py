@@ -417,6 +417,18 @@ def test_a_file_system_without_locks_runs_unguarded_and_says_so(tmp_path, monkey
     assert "--out: cannot lock" in caplog.text and "No locks available" in caplog.text
 
 
+def test_a_lock_file_that_is_a_link_is_refused_not_written_through(tmp_path):
+    from flt.common.errors import FltError
+    from flt.common.files import folder_lock
+
+    target = tmp_path / "elsewhere"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".lock").symlink_to(target)
+    with pytest.raises(FltError, match="--out: cannot lock the folder"), folder_lock(tmp_path / "run", "--out"):
+        pass
+    assert not target.exists()
+
+
 def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
     from datetime import datetime
 
