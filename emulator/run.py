@@ -334,14 +334,15 @@ def run_scenario(cfg: dict, out: str | None = None, progress: Progress = print, 
 
 def _run_scenario(cfg: dict, out: str | None, progress: Progress, resume: bool, hold: ExitStack) -> Path:
     processes.prepare_zygote(cfg["devices"])  # devices need it soon: start it before the data loads
-    data = cfg["data"]
-    progress(f"data: {data['dataset']}" + (f" from {data_root(data['root'])}" if data["root"] else ""))
-    train, test = load_data(cfg)
-    if resume:
+    if resume:  # after the zygote, which must not inherit the lock; before the data: refused at once
         if out is None:
             raise ValueError("run_scenario: resume=True needs out, the run folder to continue")
         run_dir = Path(out)
         hold.enter_context(folder_lock(run_dir, "--resume"))
+    data = cfg["data"]
+    progress(f"data: {data['dataset']}" + (f" from {data_root(data['root'])}" if data["root"] else ""))
+    train, test = load_data(cfg)
+    if resume:
         public = load_public(run_dir / "public_indices.npy")
         partition = attach_shift(cfg, part.Partition.load(run_dir / "partition.npz"), train.num_classes)
     else:
