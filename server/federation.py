@@ -390,6 +390,9 @@ def run_method(
     tic, pacer = time.perf_counter(), CheckpointPacer()
     if resume:
         done, history, setup_s = resume_method(out_dir, strategy, fed, population, progress)
+        # the wall clock goes on from the checkpoint's round: the rounds redone and the time
+        # between the kill and the resume are not counted, the resume's own set-up is
+        tic -= history[-1].get("timing", {}).get("wall_s", 0.0) if history else setup_s
     else:
         # devices lost at start-up (they could not load their clients) take no part
         fed.present, fed.events = np.setdiff1d(population.candidates(0), transport.lost_clients()), []

@@ -272,6 +272,9 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_results(uninterrupted
     assert set(got) == set(want)
     for name in want:
         assert got[name] == want[name], name
+    # the wall clock goes on from the checkpoint's round, not from 0 at the resume
+    walls = [r["timing"]["wall_s"] for r in read_metrics(killed, method)]
+    assert walls == sorted(walls), walls
 
 
 @pytest.mark.slow
