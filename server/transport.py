@@ -155,6 +155,9 @@ class Transport:
         self.cpu_seconds: Callable[[str], float | None] = lambda name: None  # the fleet's, where it can tell
         self.rejections = Rejections()  # the whole run's; the ledger's are per method
         self._logged_at: dict[str, float] = {}  # reason -> when its last summary line was logged
+        # the batch, clients and devices of a gather that an interrupt (Ctrl-C, SIGTERM) cut
+        # short: their replies still come, expected, while the run closes
+        self._owed: tuple[int, set[int], dict[int, str]] | None = None
 
     # -- raw send / receive -----------------------------------------------------------
     def send(self, device: str, msg: Message) -> None:
@@ -363,6 +366,7 @@ class Transport:
         start = time.monotonic()
         deadline = start + timeout_s
         marks = None if strict or timeout_s < MIN_JUDGED_S else self._cpu_marks({dest[c] for c in waiting})
+        self._owed = (batch, waiting, dest)  # stays only if an interrupt ends the loop
         while waiting:
             got = self._next(min(time.monotonic() + 0.5, deadline))
             if got is None:
@@ -405,6 +409,7 @@ class Transport:
             results[msg.client] = msg
             if on_reply:
                 on_reply(msg.client, msg)
+        self._owed = None
         return results
 
     @staticmethod
@@ -421,16 +426,26 @@ class Transport:
     def drain(self, quiet_s: float = 0.2, max_s: float = 2.0) -> None:
         """Read what is still queued when the run ends, so that every message that arrived
         is counted (no task waits for any of it), for at most `max_s`: a flood cannot
-        hold the run open."""
-        end = time.monotonic() + max_s
+        hold the run open. The replies that an interrupted gather was owed, each from the
+        device its task went to, are expected: counted apart and logged in one line."""
+        batch, owed, dest = self._owed or (None, set(), {})
+        late, end = 0, time.monotonic() + max_s
         while (got := self._next(min(end, time.monotonic() + quiet_s))) is not None:
             ident, msg, size = got
+            if msg.meta.get("batch") == batch and msg.client in owed and dest[msg.client] == ident:
+                owed.discard(msg.client)  # one reply each: a second one is stale
+                self.ledger.rejections.add("after the interrupt", sum(size))
+                self.rejections.add("after the interrupt", sum(size))
+                late += 1
+                continue
             self.reject(
                 "hello mid-run" if msg.kind == "hello" else "stale",
                 ident,
                 size,
                 f"{msg.kind} for client {msg.client} after the last task",
             )
+        if late:
+            log.info("%d replies to the interrupted round's tasks came after it stopped: not used", late)
 
     def _cpu_marks(self, devices: set[str]) -> dict[str, float]:
         """Each device's CPU seconds now, where they can be read (processes on this machine)."""

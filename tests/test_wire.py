@@ -282,6 +282,45 @@ def test_gather_rejects_stale_mid_run_hello_and_checked_replies_and_keeps_the_go
         server.sock.close(linger=0)
 
 
+def test_replies_owed_to_an_interrupted_gather_are_expected_not_warned(caplog):
+    """Ctrl-C or SIGTERM stops a gather while devices still train: their replies to its
+    tasks come while the run closes. They are counted apart, in one line, not as a peer's
+    stale messages; a second reply for the same client, or another batch's, still is one."""
+    server = Transport()
+    stop = threading.Event()
+
+    def answer(task):
+        batch = task.meta["batch"]
+        out = [Message("metrics", 0, task.client, meta={"batch": batch})]
+        if task.client == 3:  # a duplicate and another batch's reply
+            out += [Message("metrics", 0, 3, meta={"batch": b}) for b in (batch, batch - 5)]
+        return out
+
+    def interrupt(client, msg):
+        raise KeyboardInterrupt
+
+    thread = threading.Thread(target=_serve, args=(server.endpoint, "dev-a", answer, stop))
+    thread.start()
+    try:
+        server.wait_devices(1, timeout_s=10)
+        server.client_device.update(dict.fromkeys(range(4), "dev-a"))
+        with pytest.raises(KeyboardInterrupt):
+            server.gather({c: Message("evaluate", 0, c) for c in range(4)}, "metrics", 10, on_reply=interrupt)
+        time.sleep(0.3)  # the three other clients answer after the interrupt
+        with caplog.at_level("INFO", logger="flt.server"):
+            server.drain()
+        reasons = {r: v["messages"] for r, v in server.rejections.summary()["rejected_reasons"].items()}
+        assert reasons == {"after the interrupt": 3, "stale": 2}
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warned) == 2 and all("client 3" in w for w in warned)
+        assert any("3 replies to the interrupted round" in r.getMessage() for r in caplog.records)
+        assert server.ledger.totals()["up"]["evaluation"]["messages"] == 1  # only the reply before the interrupt
+    finally:
+        stop.set()
+        thread.join()
+        server.sock.close(linger=0)
+
+
 def test_rejections_are_logged_at_a_bounded_rate(caplog):
     from flt.server.transport import LOG_FIRST
 
