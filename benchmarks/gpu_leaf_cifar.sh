@@ -37,13 +37,22 @@ pack() {  # the runs without their models (checkpoints, arrays), written whole o
   tar czf "$OUT/.runs.tgz" -C "$RUNS" --exclude='*.npz' --exclude='checkpoint*' --exclude='.lock' . 2>/dev/null \
     && mv "$OUT/.runs.tgz" "$OUT/leaf_cifar_runs.tgz"
 }
+snapshots() {  # pack every SNAP s; told to stop, it ends its pack under way first (no two tars at once)
+  trap 'kill "$nap" 2>/dev/null; exit 0' TERM
+  while :; do
+    sleep "$SNAP" &
+    nap=$!
+    wait "$nap"
+    pack
+  done
+}
 {
   nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
   $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
   echo "start $(date -u +%T), limit ${LIMIT} s a run"
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader -l 30 &
   smi=$!
-  (while sleep "$SNAP"; do pack; done) &
+  snapshots &
   snap=$!
   jobs=${JOBS:-}
   if [ -z "$jobs" ]; then
@@ -55,6 +64,7 @@ pack() {  # the runs without their models (checkpoints, arrays), written whole o
   for job in $jobs; do one "${job%%:*}" "${job#*:}" & pids+=($!); done
   wait "${pids[@]}"
   kill "$smi" "$snap" 2>/dev/null
+  wait "$snap" 2>/dev/null
   pack
   echo "end $(date -u +%T)"
 } 2>&1 | tee "$OUT/log.txt"
