@@ -234,14 +234,17 @@ class Transport:
     def _account(self, msg: Message, size: tuple[int, int]) -> None:
         self.ledger.add(msg.round, msg.client, "up", msg.traffic, *size)
 
-    def reject(self, reason: str, ident: str, size: tuple[int, int], detail: str) -> None:
+    def reject(self, reason: str, ident: str, size: tuple[int, int], detail: str, quiet: bool = False) -> None:
         """Count a message the server will not use, apart from every method's traffic, and
-        log it: the first few of each reason one by one, then one line per reason at most
-        every LOG_EVERY_S seconds (a flood must not flood the log)."""
+        log it (unless `quiet`: the caller says it in its own line): the first few of each
+        reason one by one, then one line per reason at most every LOG_EVERY_S seconds (a
+        flood must not flood the log)."""
         nbytes = sum(size)
         self.ledger.rejections.add(reason, nbytes)
         n = self.rejections.add(reason, nbytes)
         now = time.monotonic()
+        if quiet:
+            return
         if n <= LOG_FIRST:
             log.warning("rejected (%s) from %s: %s", reason, short(ident, 40), short(detail, 300))
         elif now - self._logged_at.get(reason, 0.0) >= LOG_EVERY_S:
@@ -434,8 +437,7 @@ class Transport:
             ident, msg, size = got
             if msg.meta.get("batch") == batch and msg.client in owed and dest[msg.client] == ident:
                 owed.discard(msg.client)  # one reply each: a second one is stale
-                self.ledger.rejections.add("after the interrupt", sum(size))
-                self.rejections.add("after the interrupt", sum(size))
+                self.reject("after the interrupt", ident, size, "", quiet=True)
                 late += 1
                 continue
             self.reject(
