@@ -102,6 +102,14 @@ def dirichlet(
     return Case(name, dataset, part, encoder, seeds, note=note, **kw)
 
 
+def shaped(name: str, dataset: str, c: int, classes: int, clients: int, seeds, samples: int = 500) -> Case:
+    """C clusters of ``classes`` disjoint classes each, encoder learnt on a public slice."""
+    part = {"kind": "clusters", "clusters": c, "classes_per_cluster": classes, "shared_classes": 0}
+    part |= {"clients": clients, "samples_per_client": samples}
+    root = DATA / "cifar10-jpg" if dataset == "cifar10_jpg" else DATA
+    return Case(name, dataset, part, ENC_PUBLIC, seeds, root=str(root), public_fraction=0.1)
+
+
 SUITE = [
     Case(
         "digits-s1-m20",
@@ -254,6 +262,26 @@ SUITE = [
         public_fraction=0.1,
         note="natural clients, no planted clusters",
     ),
+    # other shapes than five clusters of 20 (added 2026-12-04, with seeds none of the cases
+    # above use): 2, 3 and 10 clusters, two to four clients a cluster, small clients
+    shaped("mnist-c10-m100-enc1", "mnist", 10, 1, 100, (3, 4)),
+    shaped("mnist-c2-m40-enc1", "mnist", 2, 5, 40, (3, 4)),
+    shaped("mnist-c3-m30-n100-enc1", "mnist", 3, 3, 30, (3, 4), samples=100),
+    shaped("mnist-s1-m20-enc1", "mnist", 5, 2, 20, (3, 4, 5)),
+    shaped("fmnist-s1-m20-enc1", "fashion_mnist", 5, 2, 20, (3, 4, 5, 6)),
+    shaped("fmnist-s1-m10-enc1", "fashion_mnist", 5, 2, 10, (3, 4, 5)),
+    shaped("cifar10-s1-m20-enc1", "cifar10_jpg", 5, 2, 20, (3, 4)),
+    shaped("cifar10-c2-m60-enc1", "cifar10_jpg", 2, 5, 60, (5,)),
+    Case(
+        "digits-s2-m30",
+        "digits",
+        {**S2, "clients": 30, "samples_per_client": 40, "test_per_client": 10},
+        {"dataset": "public", "epochs": 100},
+        (3, 4),
+        None,
+        0.2,
+    ),
+    dirichlet("fmnist-dirichlet-a0.3", "fashion_mnist", 0.3, 100, 400, ENC_PUBLIC, (3,), public_fraction=0.1),
 ]
 
 
