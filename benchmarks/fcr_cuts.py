@@ -24,19 +24,18 @@ from bench_fcr_quality import SUITE, centroids_for, halves_for
 from scipy.cluster.hierarchy import fcluster
 from sklearn.metrics import adjusted_rand_score
 
+from flt.server import fcr
+
 
 def exact_rank(squared: np.ndarray, left: np.ndarray, right: np.ndarray) -> tuple[float, int]:
     """The share of all relabellings of left + right (sizes kept) whose d2 (split_score's
     between-means distance) reaches the observed one, and their count."""
     idx = np.concatenate([left, right])
-    sub, n, nl = squared[np.ix_(idx, idx)], len(idx), len(left)
+    n, nl = len(idx), len(left)
     sides = np.zeros((math.comb(n, nl), n))
     for row, chosen in enumerate(itertools.combinations(range(n), nl)):
         sides[row, list(chosen)] = 1
-    to = sides @ sub
-    ll, lr = (to * sides).sum(1), (to * (1 - sides)).sum(1)
-    rr = sub.sum() - ll - 2 * lr
-    d2 = lr / (nl * (n - nl)) - ll / (2 * nl**2) - rr / (2 * (n - nl) ** 2)
+    d2 = fcr.relabelled_d2(squared[np.ix_(idx, idx)], sides)
     return float((d2 >= d2[0] - 1e-12).mean()), len(d2)  # row 0 is the observed split
 
 
@@ -46,7 +45,6 @@ def main() -> None:
     ap.add_argument("seed", type=int)
     ap.add_argument("--exact", action="store_true", help="exact permutation ranks (pairs of 16 clients or fewer)")
     args = ap.parse_args()
-    from flt.server import fcr
 
     case = next(c for c in SUITE if c.name == args.case)
     got = centroids_for(case, args.seed)

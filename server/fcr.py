@@ -816,21 +816,27 @@ def heldout_z(adj: np.ndarray, left: np.ndarray, right: np.ndarray, permutations
     d2 = mean_{L x R} A - s_L - s_R, A squared distances (split_score's d2). Seeded, so
     the same clients give the same z."""
     idx = np.concatenate([left, right])
-    sub = adj[np.ix_(idx, idx)]
     n, nl = len(idx), len(left)
-    nr = n - nl
     rng = np.random.default_rng(0)
     sides = np.zeros((permutations + 1, n))
     sides[0, :nl] = 1
     sides[1:] = rng.random((permutations, n)).argsort(1) < nl  # each row: a random L of size nl
+    d2 = relabelled_d2(adj[np.ix_(idx, idx)], sides)
+    null = d2[1:]
+    spread = float(null.std())
+    return float((d2[0] - null.mean()) / spread) if spread > 0 else 0.0
+
+
+def relabelled_d2(sub: np.ndarray, sides: np.ndarray) -> np.ndarray:
+    """split_score's d2 = mean_{L x R} A - s_L - s_R for each row of `sides` (1 marks L;
+    every row the same size of L), from the squared distances `sub` of those clients."""
+    nl = sides[0].sum()
+    nr = sides.shape[1] - nl
     to = sides @ sub
     ll = (to * sides).sum(1)
     lr = (to * (1 - sides)).sum(1)
     rr = sub.sum() - ll - 2 * lr
-    d2 = lr / (nl * nr) - ll / (2 * nl**2) - rr / (2 * nr**2)
-    null = d2[1:]
-    spread = float(null.std())
-    return float((d2[0] - null.mean()) / spread) if spread > 0 else 0.0
+    return lr / (nl * nr) - ll / (2 * nl**2) - rr / (2 * nr**2)
 
 
 def split_score(adj: np.ndarray, left: np.ndarray, right: np.ndarray, final: np.ndarray) -> float:
