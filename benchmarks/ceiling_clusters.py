@@ -12,8 +12,9 @@ makes: rho * E passes a round (rho * M clients a round, E epochs each, over M sh
 cover the data once), so T * rho * E epochs in all. Accuracy is printed every few epochs
 under both test protocols (`eval_cluster_classes.py`): ours (each client's test shard,
 through its cluster's model) and the FLT authors' (every test image of a cluster's
-classes). The momentum buffer restarts at every evaluation, as a client's does at every
-round.
+classes). The structured sampler (S4) has no ring of classes for the authors' protocol:
+its clusters are scored ours alone, per cluster as well. The momentum buffer restarts at
+every evaluation, as a client's does at every round.
 
 `--eval-every` may be a fraction of a pass (0.5: every half pass), to compare with a
 federation that makes fewer SGD steps than one pass: each pass then draws a seeded order
@@ -63,10 +64,14 @@ def plot(result: dict, path: Path) -> None:
     epochs = [r["epoch"] for r in result["curve"]]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot(epochs, [r["ours"] for r in result["curve"]], "k-o", ms=3, label="mean, our protocol")
-    ax.plot(epochs, [r["authors_protocol"] for r in result["curve"]], "k--", label="mean, the authors' protocol")
-    if all("per_cluster" in r for r in result["curve"]):
+    authors = result["final"]["authors_protocol"] is not None
+    if authors:
+        ax.plot(epochs, [r["authors_protocol"] for r in result["curve"]], "k--", label="mean, the authors' protocol")
+    # each cluster under the authors' protocol where the class layout is known, else ours
+    key = "per_cluster" if authors else "ours_per_cluster"
+    if all(key in r for r in result["curve"]):
         for i, k in enumerate(result["clusters"]):
-            ax.plot(epochs, [r["per_cluster"][i] for r in result["curve"]], lw=0.8, label=f"cluster {k}")
+            ax.plot(epochs, [r[key][i] for r in result["curve"]], lw=0.8, label=f"cluster {k}")
     ax.set(xlabel="epochs over each cluster's pooled data", ylabel="test accuracy (%)")
     ax.set_title("centralised ceiling: one model per planted cluster", fontsize=10)
     ax.grid(alpha=0.3)
@@ -136,14 +141,12 @@ def ceiling(cfg: dict, epochs: float, every: float, only: list[int] | None) -> d
             models, orders = train_slices(trainer, models, xs, ys, t, gens, done, step, orders)
         done += step
         got = scores(hits(model, models, test.x, test.y), test.y, rows, part, cfg["partition"], clusters)
-        point = {k: got[k] for k in ("ours", "authors_protocol")}
-        point["per_cluster"] = np.mean(got["per_cluster_classes"], axis=1).tolist()  # the authors' protocol
+        point = {k: got[k] for k in ("ours", "authors_protocol", "ours_per_cluster")}
+        if got["per_cluster_classes"] is not None:  # a 'clusters' layout: the authors' protocol per cluster
+            point["per_cluster"] = np.mean(got["per_cluster_classes"], axis=1).tolist()
         curve.append({"epoch": round(done, 6), **point})
-        print(
-            f"epoch {done:4g}  ours {got['ours']:6.2f}  authors' {got['authors_protocol']:6.2f}  "
-            f"({time.perf_counter() - tic:.0f} s)",
-            flush=True,
-        )
+        authors = "" if got["authors_protocol"] is None else f"authors' {got['authors_protocol']:6.2f}  "
+        print(f"epoch {done:4g}  ours {got['ours']:6.2f}  {authors}({time.perf_counter() - tic:.0f} s)", flush=True)
     return {
         "epochs": epochs,
         "clusters": clusters.tolist(),
@@ -171,8 +174,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = config.load(args.scenario, args.set)
-    if cfg["partition"]["kind"] != "clusters":
-        raise SystemExit(f"{args.scenario}: partition kind {cfg['partition']['kind']!r}; needs planted 'clusters'")
+    if cfg["partition"]["kind"] not in ("clusters", "structured"):
+        raise SystemExit(f"{args.scenario}: partition kind {cfg['partition']['kind']!r}; needs planted clusters")
     t = cfg["train"]
     epochs = args.epochs or max(1, round(t["rounds"] * t["participation"] * t["local_epochs"]))
     result = ceiling(cfg, epochs, args.eval_every or max(1, epochs // 20), args.clusters)

@@ -83,32 +83,47 @@ def hits(model: torch.nn.Module, models: torch.Tensor, x: np.ndarray, y: np.ndar
 def scores(hit: np.ndarray, y: np.ndarray, rows: np.ndarray, part: Partition, partition_cfg: dict, only=None) -> dict:
     """Both protocols' accuracy (%) from `hit` [R, N] (model row r right on test image n)
     and the row each client is tested with; per planted cluster and class too. `only`:
-    the planted clusters to score (their clients alone), all by default."""
+    the planted clusters to score (their clients alone), all by default. The authors'
+    protocol needs the class layout of a 'clusters' partition: for any other planted
+    partition (the structured sampler) it is None, and clusters are scored ours alone."""
     keep = np.isin(part.cluster, only) if only is not None else np.ones(part.n_clients, dtype=bool)
     classes = int(y.max()) + 1
-    per_class = (hit.astype(np.float64) @ np.eye(classes)[y]) / np.bincount(y, minlength=classes)  # [R, K]
+    per_class = (hit.astype(np.float64) @ np.eye(classes)[y]) / np.maximum(np.bincount(y, minlength=classes), 1)
     # ours: each client's test shard, through its own model row (one gather, no loop)
     lens = np.array([len(t) for t in part.test])
     owner = np.repeat(np.arange(part.n_clients), lens)
     shard_hit = hit[rows[owner], np.concatenate(part.test).astype(np.int64)]
     tested = (lens > 0) & keep
-    ours = float(np.mean(np.bincount(owner, shard_hit, minlength=part.n_clients)[tested] / lens[tested])) * 100
-    # the authors': each planted client on every test image of its cluster's classes
-    p = partition_cfg
-    layout = np.array(cluster_classes(p["clusters"], p["classes_per_cluster"], classes, p["shared_classes"]))
+    client_acc = np.bincount(owner, shard_hit, minlength=part.n_clients) / np.maximum(lens, 1)
     truth = part.cluster
     planted = np.flatnonzero((truth >= 0) & keep)
-    client_classes = per_class[rows[planted, None], layout[truth[planted]]]  # [clients, classes of the cluster]
     clusters = np.unique(truth[planted])
-    by_cluster = np.stack([client_classes[truth[planted] == k].mean(0) for k in clusters])
-    return {
-        "ours": ours,
-        "authors_protocol": float(by_cluster.mean()) * 100,
+    scored = tested & (truth >= 0)
+    at = np.searchsorted(clusters, truth[scored])  # each scored client's cluster, as a row of `clusters`
+    sizes = np.maximum(np.bincount(at, None, len(clusters)), 1)
+    per_cluster = np.bincount(at, client_acc[scored], len(clusters)) / sizes
+    got = {
+        "ours": float(np.mean(client_acc[tested])) * 100,
+        "ours_per_cluster": (per_cluster * 100).tolist(),
         "per_class": (per_class[0] * 100).tolist() if len(hit) == 1 else None,
-        "per_cluster_classes": (by_cluster * 100).tolist(),
         "clusters": clusters.tolist(),
-        "layout": layout[clusters].tolist(),
+        "authors_protocol": None,
+        "per_cluster_classes": None,
+        "layout": None,
     }
+    p = partition_cfg
+    if p["kind"] != "clusters":
+        return got
+    # the authors': each planted client on every test image of its cluster's classes
+    layout = np.array(cluster_classes(p["clusters"], p["classes_per_cluster"], classes, p["shared_classes"]))
+    client_classes = per_class[rows[planted, None], layout[truth[planted]]]  # [clients, classes of the cluster]
+    by_cluster = np.stack([client_classes[truth[planted] == k].mean(0) for k in clusters])
+    got.update(
+        authors_protocol=float(by_cluster.mean()) * 100,
+        per_cluster_classes=(by_cluster * 100).tolist(),
+        layout=layout[clusters].tolist(),
+    )
+    return got
 
 
 def load_run(run: Path) -> tuple[dict, Partition]:

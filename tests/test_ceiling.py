@@ -126,3 +126,29 @@ def test_evaluates_at_fractions_of_a_pass(tmp_path):
     assert [r["epoch"] for r in got["curve"]] == [0.5, 1.0]
     assert "epoch  0.5" in done.stdout
     assert got["final"]["authors_protocol"] > 50  # two classes' worth of learning after one pass
+
+
+STRUCTURED = ["partition.kind=structured", "partition.clusters=2", "partition.classes_per_cluster=5"]
+
+
+def test_structured_partitions_are_scored_per_cluster_by_our_protocol_alone(tmp_path):
+    """The structured sampler (S4) plants clusters without the ring layout the authors'
+    protocol needs: the ceiling scores each cluster's clients on their own test shards."""
+    out = tmp_path / "structured.json"
+    sets = [a for s in STRUCTURED for a in ("--set", s)]
+    script = str(REPO / "benchmarks" / "ceiling_clusters.py")
+    done = subprocess.run(
+        [sys.executable, script, str(QUICKSTART), *sets, "--epochs", "2", "--eval-every", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(out.read_text())
+    final = got["final"]
+    assert final["authors_protocol"] is None and "authors'" not in done.stdout
+    assert len(final["ours_per_cluster"]) == len(got["clusters"]) == 2
+    # five classes a cluster: the models learn well above the untrained 10-class chance
+    assert min(final["ours_per_cluster"]) > 60
+    # clusters of similar size: the mean over clients lies between the clusters' means
+    assert min(final["ours_per_cluster"]) <= final["ours"] <= max(final["ours_per_cluster"])
