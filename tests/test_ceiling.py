@@ -39,8 +39,8 @@ def test_pools_each_clusters_distinct_images_and_nothing_else():
         assert set(y.tolist()) == set(layout[k])
 
 
-def ceiling_run(out: Path, *more: str) -> subprocess.CompletedProcess:
-    sets = [a for s in SHARED for a in ("--set", s)]
+def ceiling_run(out: Path, *more: str, over: list[str] = SHARED) -> subprocess.CompletedProcess:
+    sets = [a for s in over for a in ("--set", s)]
     args = [str(QUICKSTART), *sets, "--out", str(out), *more]
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "ceiling_clusters.py"), *args],
@@ -135,15 +135,7 @@ def test_structured_partitions_are_scored_per_cluster_by_our_protocol_alone(tmp_
     """The structured sampler (S4) plants clusters without the ring layout the authors'
     protocol needs: the ceiling scores each cluster's clients on their own test shards."""
     out = tmp_path / "structured.json"
-    sets = [a for s in STRUCTURED for a in ("--set", s)]
-    script = str(REPO / "benchmarks" / "ceiling_clusters.py")
-    done = subprocess.run(
-        [sys.executable, script, str(QUICKSTART), *sets, "--epochs", "2", "--eval-every", "1", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = ceiling_run(out, "--epochs", "2", "--eval-every", "1", over=STRUCTURED)
     got = json.loads(out.read_text())
     final = got["final"]
     assert final["authors_protocol"] is None and "authors'" not in done.stdout
