@@ -39,14 +39,15 @@ def weighted_steps(sizes: np.ndarray, epochs: int, batch: int) -> float:
     return float((n * epochs * np.ceil(n / batch)).sum() / n.sum())
 
 
-def row(name: str, sizes: np.ndarray, epochs: int, batch: int) -> tuple[str, float]:
+def row(name: str, sizes: np.ndarray, epochs: int, batch: int) -> str:
+    """One table line: sizes, the median client's steps and the n-weighted steps."""
     s = weighted_steps(sizes, epochs, batch)
     median = epochs * math.ceil(float(np.median(sizes)) / batch)
     line = (
         f"| {name} | {len(sizes)} | {sizes.min()} / {np.median(sizes):.0f} / {sizes.max()} "
         f"| {epochs} | {median} | {s:.0f} |"
     )
-    return line, s
+    return line
 
 
 def main() -> None:
@@ -64,11 +65,11 @@ def main() -> None:
         ("the authors' configs (M = 20, all a round)", paper_sizes(20), 1),
     ]
     for name, sizes, e in layouts:
-        print(row(name, sizes, e, args.batch)[0])
+        print(row(name, sizes, e, args.batch))
     for run in args.runs:
         sizes = Partition.load(run / "partition.npz").train_sizes
         for e in args.epochs:
-            print(row(f"{run.name}", sizes, e, args.batch)[0])
+            print(row(run.name, sizes, e, args.batch))
 
 
 if __name__ == "__main__":
