@@ -41,13 +41,11 @@ def weighted_steps(sizes: np.ndarray, epochs: int, batch: int) -> float:
 
 def row(name: str, sizes: np.ndarray, epochs: int, batch: int) -> str:
     """One table line: sizes, the median client's steps and the n-weighted steps."""
-    s = weighted_steps(sizes, epochs, batch)
-    median = epochs * math.ceil(float(np.median(sizes)) / batch)
-    line = (
-        f"| {name} | {len(sizes)} | {sizes.min()} / {np.median(sizes):.0f} / {sizes.max()} "
-        f"| {epochs} | {median} | {s:.0f} |"
+    median = float(np.median(sizes))
+    return (
+        f"| {name} | {len(sizes)} | {sizes.min()} / {median:.0f} / {sizes.max()} "
+        f"| {epochs} | {epochs * math.ceil(median / batch)} | {weighted_steps(sizes, epochs, batch):.0f} |"
     )
-    return line
 
 
 def main() -> None:
