@@ -42,6 +42,7 @@ SECURITY = ("auto", "curve", "none")
 # CURVE wraps each frame in a MESSAGE command (name, nonce, MAC, flags): 33 bytes on the
 # wire, and ZeroMQ's maximum message size applies to the wrapped frame
 CURVE_FRAME_OVERHEAD = 64
+TERM_WAIT_S = 10.0  # how long closing waits for the CURVE context to end
 
 
 class Refused(Exception):
@@ -232,7 +233,17 @@ class Gate:
         sock.close(linger=500)
         if self.curve:
             self.auth.stop()
-            self.ctx.term()
+            self._term(TERM_WAIT_S)
+
+    def _term(self, wait_s: float) -> None:
+        """End our context, waiting at most wait_s. Under load libzmq can hang in
+        zmq_ctx_term after CURVE handshakes (zeromq/libzmq#2733); the run's summary is
+        written after this, so a stuck term must not hold the run open."""
+        ender = threading.Thread(target=self.ctx.term, daemon=True, name="flt-ctx-term")
+        ender.start()
+        ender.join(wait_s)
+        if ender.is_alive():
+            log.warning("the CURVE socket context did not end within %.0f s (a libzmq hang); left to exit", wait_s)
 
 
 class _Authenticator(ThreadAuthenticator):
