@@ -242,7 +242,7 @@ def test_a_client_without_curve_cannot_reach_a_curve_server(key_dir):
         server.close()
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # key_dir runs `flt keys`
 def test_closing_a_curve_server_is_bounded_when_its_context_hangs(key_dir, monkeypatch, caplog):
     """libzmq can hang in zmq_ctx_term after CURVE handshakes under load (zeromq/libzmq#2733),
     which held a finished run open before its summary was written. It cannot be triggered on
@@ -259,6 +259,7 @@ def test_closing_a_curve_server_is_bounded_when_its_context_hangs(key_dir, monke
     release.set()  # the context still ends once libzmq lets it
 
 
+@pytest.mark.slow
 def test_without_curve_only_the_process_holding_the_token_gets_a_local_name():
     """Loopback without CURVE: a stranger that says hello first as dev-0 does not get
     dev-0; the enrolled process does; a second connection with dev-0's token is refused
