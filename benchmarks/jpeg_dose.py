@@ -33,7 +33,7 @@ SHIPPED_QUALITY = 75  # read off the shipped files' quantisation tables
 
 def encode(img: Image.Image, quality: int) -> bytes:
     out = io.BytesIO()
-    img.save(out, "JPEG", quality=quality)  # PIL's default 4:2:0 below quality 95, as shipped
+    img.save(out, "JPEG", quality=quality)  # PIL's default 4:2:0 chroma subsampling, as shipped
     return out.getvalue()
 
 

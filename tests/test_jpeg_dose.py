@@ -8,7 +8,7 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
+from PIL import Image, JpegImagePlugin
 
 from flt.scenarios.datasets import load_dataset
 
@@ -41,7 +41,9 @@ def test_reencoded_tree_is_the_same_images_at_the_asked_quality(tmp_path):
     names = [f"{s}/{c}/{i:04d}.jpg" for s, n in (("train", 3), ("test", 2)) for c in ("cat", "dog") for i in range(n)]
     assert files == sorted(names)
     want = Image.open(io.BytesIO(jpeg_dose.encode(Image.fromarray(sample[0]), 30))).quantization
-    assert Image.open(out / files[0]).quantization == want
+    written = Image.open(out / files[0])
+    assert written.quantization == want
+    assert JpegImagePlugin.get_sampling(written) == 2  # 4:2:0, the shipped copy's subsampling
     train = load_dataset("cifar10_jpg", out, train=True)
     assert train.classes == ["cat", "dog"] and train.x.shape == (6, 3, 32, 32)
     np.testing.assert_array_equal(train.y, [0, 0, 0, 1, 1, 1])
