@@ -14,19 +14,20 @@ It also prints each pass's pixel error, so the two passes can be compared:
   CIFAR-10 image, reduced from a photograph, does) encoded at the shipped setting;
 - the further pass, measured on the shipped images themselves.
 
-    python benchmarks/jpeg_dose.py SRC.tar.gz OUT_DIR --quality 50
+    python benchmarks/jpeg_dose.py SRC OUT_DIR --quality 50   # SRC: the tarball or a data root
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import tarfile
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 from sklearn.datasets import load_sample_images
+
+from flt.scenarios.datasets import read_image_folder
 
 SHIPPED_QUALITY = 75  # read off the shipped files' quantisation tables
 
@@ -64,29 +65,25 @@ def one_pass(im: np.ndarray, quality: int) -> np.ndarray:
 
 
 def reencode_tree(src: Path, out: Path, quality: int) -> list[np.ndarray]:
-    """Write src's train/ and test/ images re-encoded at `quality` under out; returns up
-    to 500 of the source images, decoded, for the error figure."""
-    sample: list[np.ndarray] = []
-    n = 0
-    with tarfile.open(src) as tar:
-        for member in tar:
-            if not (member.isfile() and member.name.lower().endswith(".jpg")):
-                continue
-            rel = Path(*Path(member.name).parts[-3:])  # split/class/file.jpg
-            img = Image.open(io.BytesIO(tar.extractfile(member).read())).convert("RGB")
-            if len(sample) < 500:
-                sample.append(np.asarray(img))
-            target = out / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(encode(img, quality))
-            n += 1
-    print(f"re-encoded {n} images at quality {quality} into {out}")
-    return sample
+    """Write the train/ and test/ images under src (a data root, read by the scenario's own
+    loader) re-encoded at `quality` under out; returns 500 source images spread over the
+    splits and classes, decoded, for the error figure."""
+    items = sorted(read_image_folder(src))
+    for split, cls, name, data in items:
+        target = out / split / cls / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(encode(decode(data), quality))
+    print(f"re-encoded {len(items)} images at quality {quality} into {out}")
+    return [np.asarray(decode(data)) for *_, data in items[:: max(1, len(items) // 500)][:500]]
+
+
+def decode(data: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(data)).convert("RGB")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("src", type=Path, help="the shipped cifar10-jpg.tar.gz")
+    ap.add_argument("src", type=Path, help="the shipped cifar10-jpg.tar.gz, or a folder holding it or its tree")
     ap.add_argument("out", type=Path, help="folder for the re-encoded train/ and test/ tree")
     ap.add_argument("--quality", type=int, required=True, help="JPEG quality of the further pass (1-95)")
     args = ap.parse_args()

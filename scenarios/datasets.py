@@ -465,6 +465,17 @@ def _read_tree(tree: Path) -> list[tuple[str, str, str, bytes]]:
     return items
 
 
+def _read_source(source: Path) -> list[tuple[str, str, str, bytes]]:
+    return _read_tarball(source) if source.is_file() else _read_tree(source)
+
+
+def read_image_folder(root: str | os.PathLike) -> list[tuple[str, str, str, bytes]]:
+    """Every image under an image-folder root, found as a scenario's ``data.root`` is (the
+    tree or tarball itself, or the only one in it or a folder below), as (split, class,
+    file name, bytes); a tarball's unsafe members are refused as on loading."""
+    return _read_source(_find_image_folder("imagefolder", Path(root), download=False))
+
+
 _TAR_EXT = (".tar.gz", ".tgz", ".tar")
 
 
@@ -580,7 +591,7 @@ def _load_imagefolder(name: str, root: Path | None, train: bool, download: bool)
         key = _key("tree", str(source.resolve()), sorted(stats))
     npz = cache_dir() / "imagefolder" / f"{key}.npz"
     if not npz.is_file():
-        items = _read_tarball(source) if is_tarball else _read_tree(source)
+        items = _read_source(source)
         # ImageFolder's order: classes by sorted name (from train), files sorted inside.
         items.sort(key=lambda t: (t[0], t[1], t[2]))
         classes = sorted({c for sp, c, _, _ in items if sp == "train"})

@@ -37,6 +37,9 @@ def test_reencoded_tree_is_the_same_images_at_the_asked_quality(tmp_path):
     out = tmp_path / "q30"
     sample = jpeg_dose.reencode_tree(textured_tarball(tmp_path), out, quality=30)
     assert len(sample) == 10
+    # a data root holding the tarball reads the same images, as a scenario's data.root does
+    again = jpeg_dose.reencode_tree(tmp_path, tmp_path / "again", quality=30)
+    assert all(np.array_equal(a, b) for a, b in zip(sample, again, strict=True))
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.jpg"))
     names = [f"{s}/{c}/{i:04d}.jpg" for s, n in (("train", 3), ("test", 2)) for c in ("cat", "dog") for i in range(n)]
     assert files == sorted(names)
