@@ -268,7 +268,9 @@ POPULATION = {
         list,
         [],
         "[{round: r, clients: [ids], to_cluster: c}]: each client swaps its data "
-        "with a client of cluster c; or [{round: r, clients: [ids], kind: swap_labels, "
+        "with a client of cluster c; or [{round: r, clients: [ids], kind: resample}]: "
+        "the same swap inside each client's own cluster (new images, same distribution); "
+        "or [{round: r, clients: [ids], kind: swap_labels, "
         "labels: [i, j]}]: their classes i and j trade labels (a label swap changes no image: "
         "a device's embedding test does not see it, the monitor or k: labels may)",
     ),
@@ -547,6 +549,10 @@ def load_encoder_sources(cfg: dict) -> None:
                 raise DataError(f"methods[{i}]({spec['label']}).encoder: {exc}") from None
 
 
+# the fields each kind of drift event needs besides round and clients
+DRIFT_FIELDS = {"move": ("to_cluster",), "resample": (), "swap_labels": ("labels",)}
+
+
 def _check_events(pop: dict, rounds: int, partition: dict) -> None:
     need: tuple[str, ...]  # the fields an event of this kind must have
     for kind, need in (("newcomers", ("round",)), ("drift", ("round", "clients"))):
@@ -555,9 +561,9 @@ def _check_events(pop: dict, rounds: int, partition: dict) -> None:
             if not isinstance(ev, dict):
                 raise ConfigError(f"{where}: expected a mapping")
             if kind == "drift":
-                need = need + (("labels",) if ev.get("kind") == "swap_labels" else ("to_cluster",))
-                if ev.get("kind", "move") not in ("move", "swap_labels"):
-                    raise ConfigError(f"{where}.kind: 'move' or 'swap_labels', got {short(ev.get('kind'))}")
+                if ev.get("kind", "move") not in DRIFT_FIELDS:
+                    raise ConfigError(f"{where}.kind: one of {', '.join(DRIFT_FIELDS)}; got {short(ev.get('kind'))}")
+                need = need + DRIFT_FIELDS[ev.get("kind", "move")]
             optional = {"cluster", "clients"} if kind == "newcomers" else {"kind"}
             extra = set(ev) - set(need) - optional
             if extra:

@@ -33,7 +33,8 @@ from flt.emulator.profiles import Profiles
 @dataclass
 class Schedule:
     arrivals: dict[int, np.ndarray] = field(default_factory=dict)  # round -> clients joining
-    # round -> changes: {"kind": "move", "client": a, "partner": b} (a and b swap their data)
+    # round -> changes: {"kind": "move", "client": a, "partner": b} (a and b swap their data;
+    # a resample is a move inside a's own cluster)
     # or {"kind": "swap_labels", "client": c, "labels": [i, j]} (c's classes i and j trade labels)
     drift: dict[int, list[dict]] = field(default_factory=dict)
 
@@ -248,7 +249,9 @@ def assign_profiles(spec: dict | None, n_clients: int, seed: int) -> Profiles | 
 def schedule_from(cfg: dict, truth: np.ndarray, num_classes: int | None = None) -> Schedule:
     """Newcomers: the clients of a planted cluster (or listed ids) withheld until a round.
     Drift `move`: each listed client swaps its data with a client of the target cluster (a
-    different one per drifting client), so no sample is duplicated. Drift `swap_labels`:
+    different one per drifting client), so no sample is duplicated. Drift `resample`: the
+    same swap inside each client's own planted cluster (its store changes, its distribution
+    does not: the control for a change test's false alarms). Drift `swap_labels`:
     the listed clients' classes i and j trade labels (a concept shift the images do not show).
     Checked against the partition (built before any process starts): a ConfigError names
     the event when its clients do not exist or cannot do what it asks."""
@@ -270,26 +273,39 @@ def schedule_from(cfg: dict, truth: np.ndarray, num_classes: int | None = None) 
                 raise ConfigError(f"{where}.labels: {ev['labels']} but the dataset has classes 0..{num_classes - 1}")
             changes += [{"kind": "swap_labels", "client": int(c), "labels": list(ev["labels"])} for c in movers]
             continue
-        if (truth[movers] == ev["to_cluster"]).any():
+        if ev.get("kind", "move") == "resample":
+            homeless = [int(c) for c in movers if truth[c] < 0]
+            if homeless:
+                raise ConfigError(f"{where}: clients {homeless[:10]} have no planted cluster to resample within")
+            targets = truth[movers]
+        elif (truth[movers] == ev["to_cluster"]).any():
             home = [int(c) for c in movers if truth[c] == ev["to_cluster"]]
             raise ConfigError(
                 f"{where}: clients {home} are in cluster {ev['to_cluster']} already: a swap "
-                "inside their own cluster changes no client's data distribution"
+                "inside their own cluster changes no client's data distribution (kind: resample "
+                "does that on purpose)"
             )
-        partners = [
-            int(c)
-            for c in np.flatnonzero(truth == ev["to_cluster"])
-            if int(c) not in late and int(c) not in used and int(c) not in movers
-        ]
-        if len(partners) < len(movers):
-            raise ConfigError(
-                f"{where}: cluster {ev['to_cluster']} has {len(partners)} clients free to "
-                f"swap with (present from the start, not drifting), {len(movers)} needed"
-            )
-        pairs = list(zip(movers, partners[-len(movers) :], strict=True))
-        used.update(p for _, p in pairs)
-        changes += [{"kind": "move", "client": int(a), "partner": int(b)} for a, b in pairs]
+        else:
+            targets = np.full(len(movers), ev["to_cluster"])
+        for cluster in dict.fromkeys(targets.tolist()):  # each target cluster once, in order
+            group = [c for c, t in zip(movers, targets.tolist(), strict=True) if t == cluster]
+            swaps = _swaps(group, cluster, truth, late | used | set(movers), where)
+            used.update(ch["partner"] for ch in swaps)
+            changes += swaps
     return sched
+
+
+def _swaps(movers: list[int], cluster: int, truth: np.ndarray, busy: set[int], where: str) -> list[dict]:
+    """Each mover swaps its data with a different client of `cluster` that is not busy (away
+    at the start, drifting itself, or a partner already); the cluster's last free clients."""
+    partners = [int(c) for c in np.flatnonzero(truth == cluster) if int(c) not in busy]
+    if len(partners) < len(movers):
+        raise ConfigError(
+            f"{where}: cluster {cluster} has {len(partners)} clients free to "
+            f"swap with (present from the start, not drifting), {len(movers)} needed"
+        )
+    pairs = zip(movers, partners[-len(movers) :], strict=True)
+    return [{"kind": "move", "client": int(a), "partner": b} for a, b in pairs]
 
 
 def _newcomers(ev: dict, truth: np.ndarray, sched: Schedule, where: str) -> np.ndarray:

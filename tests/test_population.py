@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from flt.common.schema import ConfigError
 from flt.emulator.config import parse_methods
 from flt.emulator.population import Population, Schedule, schedule_from
 from flt.emulator.profiles import Profiles
@@ -244,6 +245,18 @@ def test_schedule_swap_labels():
         {"kind": "swap_labels", "client": 4, "labels": [1, 2]},
         {"kind": "swap_labels", "client": 5, "labels": [1, 2]},
     ]
+
+
+def test_schedule_resample_swaps_inside_each_clients_own_cluster():
+    truth = np.repeat(np.arange(3), 4)  # clusters 0..2 hold clients 0-3, 4-7, 8-11
+    sched = schedule_from({"population": {"drift": [{"round": 3, "clients": [0, 4, 5], "kind": "resample"}]}}, truth)
+    pairs = [(ch["client"], ch["partner"]) for ch in sched.drift[3]]
+    assert pairs == [(0, 3), (4, 6), (5, 7)]  # each cluster's last free clients, never another mover
+    assert all(ch["kind"] == "move" and truth[ch["client"]] == truth[ch["partner"]] for ch in sched.drift[3])
+    with pytest.raises(ConfigError, match=r"drift\[0\]: clients \[2\] have no planted cluster"):
+        schedule_from({"population": {"drift": [{"round": 3, "clients": [2], "kind": "resample"}]}}, np.full(6, -1))
+    with pytest.raises(ConfigError, match=r"drift\[0\]: cluster 1 has 0 clients free"):
+        schedule_from({"population": {"drift": [{"round": 3, "clients": [4, 5, 6, 7], "kind": "resample"}]}}, truth)
 
 
 def test_server_side_monitor_flags_a_client_whose_update_turns_away(tmp_path):

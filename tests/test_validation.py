@@ -172,6 +172,8 @@ def test_more_clients_than_samples_is_refused_before_allocating():
             ["drift[0].labels", "two different"],
         ),
         ({"drift": [{"round": 3, "clients": "all", "to_cluster": 1}]}, ["drift[0].clients"]),
+        ({"drift": [{"round": 3, "clients": [0], "kind": "shuffle"}]}, ["drift[0].kind", "resample", "'shuffle'"]),
+        ({"drift": [{"round": 3, "clients": [0], "kind": "resample", "to_cluster": 1}]}, ["drift[0]", "to_cluster"]),
     ],
 )
 def test_bad_schedules_are_refused_by_validation(tmp_path, pop, words):
@@ -195,7 +197,7 @@ def test_schedules_are_checked_against_the_partition():
     }
     with pytest.raises(ConfigError, match=r"drift\[0\]: cluster 4 has 0 clients free"):
         schedule_from(cfg, truth)  # cluster 4 is still away when its members should swap
-    with pytest.raises(ConfigError, match=r"drift\[0\]: clients \[5\] are in cluster 1 already"):
+    with pytest.raises(ConfigError, match=r"drift\[0\]: clients \[5\] are in cluster 1 already.*kind: resample"):
         schedule_from({"population": {"drift": [{"round": 4, "clients": [0, 5], "to_cluster": 1}]}}, truth)
     with pytest.raises(ConfigError, match=r"newcomers\[0\].cluster: no client belongs to cluster 4"):
         schedule_from({"population": {"newcomers": [{"round": 3, "cluster": 4}]}}, np.full(20, -1))
