@@ -13,14 +13,19 @@ batch 10, lr 0.01, rho 0.2, T = 40):
                     (12: three of each of clusters 0-3, each to the next cluster).
 
 Methods: FLT with defaults (only its encoder's pretraining set, the public slice, is
-named), IFCA with C = 5 and FedSEM with 5 centers (told the true C), FedAvg. Each cell is
-one `flt compare` run in a fresh process. Per cell and method: the accuracy of the clients
+named), IFCA with C = 5 and FedSEM with 5 centers (told the true C), FedAvg, and the two
+one-shot clustered baselines with their own defaults: PACFL (its angle threshold; a
+newcomer joins the cluster at the smallest mean angle) and FedGroup (m = 5 groups, which
+is C here; a newcomer cold-starts into the nearest group). Neither PACFL nor FedGroup
+re-places a client whose data drift (their papers have no such step), so their drift
+cells measure what a one-shot clustering costs. Each cell is one `flt compare` run in a
+fresh process. Per cell and method: the accuracy of the clients
 there before the event (incumbents) just before it, its lowest after it, rounds until it is
 back within 1 point (None: never), the newcomers' final accuracy, the final accuracy, the
 run's total bytes, FLT's bytes spent on re-clustering, and FLT's re-clusterings (on the
 controls: false alarms; `moved`: how many of them changed a label).
 
-    .venv/bin/python benchmarks/bench_dynamics.py                       # the whole grid (about 40 min)
+    .venv/bin/python benchmarks/bench_dynamics.py                       # the whole grid (about 65 min)
     .venv/bin/python benchmarks/bench_dynamics.py --datasets mnist --cells static,arrive_unseen
 
 Writes benchmarks/results/dynamics.json (change it with --out) and prints the table.
@@ -45,9 +50,9 @@ sys.path.insert(0, str(HERE))
 
 from machine import machine_info  # noqa: E402
 
-from flt.reports.summary import rounds_to_recover  # noqa: E402
+from flt.reports.summary import clustering, rounds_to_recover  # noqa: E402
 
-METHODS = ("flt", "ifca", "fedsem", "fedavg")
+METHODS = ("flt", "ifca", "fedsem", "fedavg", "pacfl", "fedgroup")
 CLIENTS, CLUSTERS = 60, 5
 PER = CLIENTS // CLUSTERS  # clients per planted cluster: contiguous id blocks
 
@@ -59,10 +64,11 @@ def block(cluster: int) -> list[int]:
 def cells(event: int) -> dict[str, dict]:
     """Each cell's population section."""
     three_each = [(block(c)[:3], (c + 1) % 4) for c in range(4)]
+    twelve = [c for m, _ in three_each for c in m]
     return {
         "static": {},
-        "resample_20": {"drift": [{"round": event, "clients": block(c)[:3], "to_cluster": c} for c in range(4)]},
-        "arrive_known": {"newcomers": [{"round": event, "clients": [c for m, _ in three_each for c in m]}]},
+        "resample_20": {"drift": [{"round": event, "clients": twelve, "kind": "resample"}]},
+        "arrive_known": {"newcomers": [{"round": event, "clients": twelve}]},
         "arrive_unseen": {"newcomers": [{"round": event, "cluster": 4}]},
         "drift_1": {"drift": [{"round": event, "clients": block(0)[:1], "to_cluster": 2}]},
         "drift_5": {"drift": [{"round": event, "clients": block(0)[:3], "to_cluster": 2}]},
@@ -94,7 +100,14 @@ def scenario(dataset: str, rounds: int) -> dict:
             "eval_every": 1,
         },
         "devices": {"processes": 2},
-        "methods": ["flt", {"name": "ifca", "clusters": CLUSTERS}, {"name": "fedsem", "centers": CLUSTERS}, "fedavg"],
+        "methods": [
+            "flt",
+            {"name": "ifca", "clusters": CLUSTERS},
+            {"name": "fedsem", "centers": CLUSTERS},
+            "fedavg",
+            "pacfl",
+            "fedgroup",
+        ],
     }
 
 
@@ -122,6 +135,7 @@ def measure(folder: Path, m: dict) -> dict:
     key = "acc_incumbents" if event and event["kind"] == "arrival" else "acc_mean"
     change = rounds_to_recover(rows, event["round"], key=key) if event else {}  # as the summary's `changes`
     recl = m.get("fcr_reports", [])[1:]
+    clusters, ari = clustering(m)  # at the end, against the clients' planted clusters then
     out = {
         "final": m["final_accuracy"],
         "total_mb": (m["bytes_up"] + m["bytes_down"]) / 1e6,
@@ -129,6 +143,8 @@ def measure(folder: Path, m: dict) -> dict:
         "lowest": change.get("lowest"),
         "rounds_to_recover": change.get("rounds_to_recover"),
         "newcomers_final": rows[-1].get("acc_newcomers"),
+        "clusters": clusters,
+        "ari": ari,
     }
     drift = next((e for r in rows for e in r.get("events", []) if e["kind"] == "drift"), None)
     if drift is not None:
@@ -149,16 +165,17 @@ def measure(folder: Path, m: dict) -> dict:
 
 def table(results: dict) -> str:
     head = (
-        f"{'dataset':<14}{'cell':<14}{'method':<8}{'before':>7}{'lowest':>7}{'recover':>8}{'new fin':>8}"
-        f"{'final':>7}{'MB':>8}{'recl':>5}{'moved':>6}{'recl MB':>8}"
+        f"{'dataset':<14}{'cell':<14}{'method':<10}{'before':>7}{'lowest':>7}{'recover':>8}{'new fin':>8}"
+        f"{'final':>7}{'ARI':>6}{'MB':>8}{'recl':>5}{'moved':>6}{'recl MB':>8}"
     )
     lines = [head, "-" * len(head)]
     for ds, by_cell in results.items():
         for cell, by_method in by_cell.items():
             for label, r in by_method.items():
                 lines.append(
-                    f"{ds:<14}{cell:<14}{label:<8}{_f(r['before'])}{_f(r['lowest'])}"
-                    f"{_f(r['rounds_to_recover'], 8, 0)}{_f(r['newcomers_final'], 8)}{_f(r['final'])}"
+                    f"{ds:<14}{cell:<14}{label:<10}{_f(r['before'])}{_f(r['lowest'])}"
+                    f"{_f(r['rounds_to_recover'], 8, 0)}{_f(r['newcomers_final'], 8)}"
+                    f"{_f(r['final'])}{_f(r.get('ari'), 6, 2)}"
                     f"{_f(r['total_mb'], 8, 0)}{_f(r.get('reclusterings'), 5, 0)}{_f(r.get('moved'), 6, 0)}"
                     f"{_f(r.get('recluster_mb'), 8, 2)}"
                 )
