@@ -634,6 +634,29 @@ def test_round_loop_and_byte_formula(tmp_path, name):
         assert history[-1]["acc_mean"] > 60.0, (name, history[-1])
 
 
+def test_fedgroup_edc_features_are_the_cosines_to_the_top_singular_directions():
+    """The Gram-matrix route gives FedGroup's EDC features as its definition does (cosines of
+    each update with dW^T's k top left singular vectors), up to each column's sign, even
+    when the column blocks split the parameters unevenly."""
+    from flt.server.strategies.fedgroup import edc_features, gram_matrix
+
+    g = torch.Generator().manual_seed(0)
+    basis = torch.randn(3, 1000, generator=g, dtype=torch.float64)
+    dw = (torch.randn(12, 3, generator=g, dtype=torch.float64) * torch.tensor([5.0, 2.0, 1.0])) @ basis
+    dw = (dw + 0.1 * torch.randn(12, 1000, generator=g, dtype=torch.float64)).float()
+    dw[4] = 0.0  # a client whose update is zero: cosine 0 with every direction
+    ref = dw.double().numpy()
+    u = np.linalg.svd(ref.T, full_matrices=False)[0]
+    norms = np.linalg.norm(ref, axis=1)
+    cosines = ref @ u[:, :3] / np.where(norms > 0, norms, 1.0)[:, None]  # [n, k], |u_j| = 1
+    got = edc_features(dw, 3)
+    assert got.shape == (12, 3)
+    signs = np.sign((got * cosines).sum(0))
+    np.testing.assert_allclose(got * signs, cosines, atol=1e-9)
+    assert np.all(got[4] == 0)
+    np.testing.assert_allclose(gram_matrix(dw, block=333), ref @ ref.T, rtol=1e-12)
+
+
 def test_fedgroup_with_more_groups_than_clients_keeps_one_group_a_client(tmp_path, caplog):
     """groups: 5 on 3 clients stopped the whole run (exit 3, "fewer than m = 5") after the
     methods before it; now it goes on with 3 groups and says so."""
