@@ -15,11 +15,6 @@ difference between the two results (the blocks must not change a result).
 from __future__ import annotations
 
 import argparse
-import resource
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from forms import peak_gb, report, run_forms
 
 from flt.server.strategies.base import Result, stack
 from flt.server.strategies.flt import FLT
@@ -47,10 +43,6 @@ def reference(state, results) -> None:
     state.models = new
 
 
-def peak_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
 def one(form: str, clients: int, selected: int, params: int, out: Path) -> None:
     """Run one form on a seeded table and graph; save the result, print time and peak."""
     g = torch.Generator().manual_seed(0)
@@ -64,8 +56,8 @@ def one(form: str, clients: int, selected: int, params: int, out: Path) -> None:
     tic = time.perf_counter()
     (reference if form == "reference" else FLT._aggregate_graph)(state, results)
     seconds = time.perf_counter() - tic
-    np.save(out, state.models[:: max(1, clients // 8)].numpy())  # a sample of rows to compare
-    print(f"{seconds:.4f} {peak_gb() - before:.4f}")
+    np.save(out.with_suffix(".npy"), state.models[:: max(1, clients // 8)].numpy())  # a sample of rows
+    report(seconds, before)
 
 
 def main() -> None:
@@ -81,16 +73,11 @@ def main() -> None:
     table_gb = args.clients * args.params * 4 / 2**30
     size = f"M {args.clients}, {args.selected} selected, P {args.params:,} ({table_gb:.2f} GB table)"
     print(f"Case I aggregation: {size}")
-    figures, rows = {}, {}
-    scratch = Path(tempfile.mkdtemp(prefix="bench_case1_"))
-    for form in ("reference", "blocks"):
-        save = scratch / f"{form}.npy"
-        cmd = [sys.executable, __file__, "--one", form, "--save", str(save)]
-        cmd += ["--clients", str(args.clients), "--selected", str(args.selected), "--params", str(args.params)]
-        seconds, extra = map(float, subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split())
-        figures[form], rows[form] = (seconds, extra), np.load(save)
+    size_args = ["--clients", str(args.clients), "--selected", str(args.selected), "--params", str(args.params)]
+    runs = run_forms(__file__, ("reference", "blocks"), size_args, lambda save: np.load(save.with_suffix(".npy")))
+    figures, rows = {f: r[:2] for f, r in runs.items()}, {f: r[2] for f, r in runs.items()}
+    for form, (seconds, extra) in figures.items():
         print(f"  {form:9s}  {seconds:8.2f} s  peak RSS +{extra:6.2f} GB ({extra / table_gb:.2f} tables)")
-    shutil.rmtree(scratch)
     (t_ref, m_ref), (t_new, m_new) = figures["reference"], figures["blocks"]
     diff = float(np.abs(rows["reference"] - rows["blocks"]).max())
     print(f"  blocks / reference: time {t_new / t_ref:.2f}, extra memory {m_new / max(m_ref, 1e-9):.2f}")

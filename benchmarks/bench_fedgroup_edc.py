@@ -17,16 +17,12 @@ the two feature matrices (up to each column's sign) and whether k-means groups a
 from __future__ import annotations
 
 import argparse
-import resource
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from forms import peak_gb, report, run_forms
 from sklearn.cluster import KMeans
 from sklearn.decomposition import TruncatedSVD
 from sklearn.metrics.pairwise import cosine_similarity
@@ -41,10 +37,6 @@ def reference(updates: torch.Tensor, k: int, seed: int) -> np.ndarray:
     dw = updates.double().cpu().numpy()
     directions = TruncatedSVD(n_components=k, random_state=seed).fit_transform(dw.T)  # [P, k]
     return cosine_similarity(dw, directions.T)
-
-
-def peak_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def updates_for(clients: int, groups: int, params: int) -> torch.Tensor:
@@ -66,8 +58,8 @@ def one(form: str, clients: int, groups: int, params: int, out: Path) -> None:
     features = reference(updates, k, 0) if form == "reference" else edc_features(updates, k)
     seconds = time.perf_counter() - tic
     labels = KMeans(n_clusters=groups, init="k-means++", n_init=10, random_state=0).fit_predict(features)
-    np.savez(out, features=features, labels=labels)
-    print(f"{seconds:.4f} {peak_gb() - before:.4f}")
+    np.savez(out.with_suffix(".npz"), features=features, labels=labels)
+    report(seconds, before)
 
 
 def main() -> None:
@@ -82,16 +74,11 @@ def main() -> None:
         return one(args.one, args.clients, args.groups, args.params, args.save)
     updates_gb = args.clients * args.params * 4 / 2**30
     print(f"FedGroup EDC features: {args.clients} updates of P {args.params:,} ({updates_gb:.2f} GB), m {args.groups}")
-    figures, saved = {}, {}
-    scratch = Path(tempfile.mkdtemp(prefix="bench_fedgroup_"))
-    for form in ("reference", "gram"):
-        save = scratch / f"{form}.npz"
-        cmd = [sys.executable, __file__, "--one", form, "--save", str(save)]
-        cmd += ["--clients", str(args.clients), "--groups", str(args.groups), "--params", str(args.params)]
-        seconds, extra = map(float, subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split())
-        figures[form], saved[form] = (seconds, extra), dict(np.load(save))
+    size_args = ["--clients", str(args.clients), "--groups", str(args.groups), "--params", str(args.params)]
+    runs = run_forms(__file__, ("reference", "gram"), size_args, lambda save: dict(np.load(save.with_suffix(".npz"))))
+    figures, saved = {f: r[:2] for f, r in runs.items()}, {f: r[2] for f, r in runs.items()}
+    for form, (seconds, extra) in figures.items():
         print(f"  {form:9s}  {seconds:8.2f} s  peak RSS +{extra:6.2f} GB ({extra / updates_gb:.2f} x the updates)")
-    shutil.rmtree(scratch)
     (t_ref, m_ref), (t_new, m_new) = figures["reference"], figures["gram"]
     ref, new = saved["reference"]["features"], saved["gram"]["features"]
     signs = np.sign((ref * new).sum(0))
