@@ -17,15 +17,15 @@ named), IFCA with C = 5 and FedSEM with 5 centers (told the true C), FedAvg, and
 one-shot clustered baselines with their own defaults: PACFL (its angle threshold; a
 newcomer joins the cluster at the smallest mean angle) and FedGroup (m = 5 groups, which
 is C here; a newcomer cold-starts into the nearest group). Neither PACFL nor FedGroup
-re-places a client whose data drift (their papers have no such step), so their drift
+re-places a client whose data drifted (their papers have no such step), so their drift
 cells measure what a one-shot clustering costs. Each cell is one `flt compare` run in a
-fresh process. Per cell and method: the accuracy of the clients
-there before the event (incumbents) just before it, its lowest after it, rounds until it is
-back within 1 point (None: never), the newcomers' final accuracy, the final accuracy, the
-run's total bytes, FLT's bytes spent on re-clustering, and FLT's re-clusterings (on the
-controls: false alarms; `moved`: how many of them changed a label).
+fresh process. Per cell and method: the accuracy of the clients there before the event
+(incumbents) just before it, its lowest after it, rounds until it is back within 1 point
+(None: never), the newcomers' final accuracy, the final accuracy, the clusters and their
+ARI at the end, the run's total bytes, FLT's bytes spent on re-clustering, and FLT's
+re-clusterings (on the controls: false alarms; `moved`: how many of them changed a label).
 
-    .venv/bin/python benchmarks/bench_dynamics.py                       # the whole grid (about 65 min)
+    .venv/bin/python benchmarks/bench_dynamics.py                       # the whole grid (about 20 min)
     .venv/bin/python benchmarks/bench_dynamics.py --datasets mnist --cells static,arrive_unseen
 
 Writes benchmarks/results/dynamics.json (change it with --out) and prints the table.
