@@ -22,12 +22,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from forms import peak_gb, report, run_forms
+from forms import LEAF_CNN_FEMNIST, child_options, peak_gb, report, run_forms
 
 from flt.server.strategies.base import Result, stack
 from flt.server.strategies.flt import FLT
-
-LEAF_CNN_FEMNIST = 6_603_710  # parameters of the LEAF CNN with 62 classes
 
 
 def reference(state, results) -> None:
@@ -65,8 +63,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=105)
     ap.add_argument("--selected", type=int, default=21)
     ap.add_argument("--params", type=int, default=LEAF_CNN_FEMNIST)
-    ap.add_argument("--one", choices=("reference", "blocks"), help=argparse.SUPPRESS)
-    ap.add_argument("--save", type=Path, help=argparse.SUPPRESS)
+    child_options(ap, ("reference", "blocks"))
     args = ap.parse_args()
     if args.one:
         return one(args.one, args.clients, args.selected, args.params, args.save)

@@ -22,14 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from forms import peak_gb, report, run_forms
+from forms import LEAF_CNN_FEMNIST, child_options, peak_gb, report, run_forms
 from sklearn.cluster import KMeans
 from sklearn.decomposition import TruncatedSVD
 from sklearn.metrics.pairwise import cosine_similarity
 
 from flt.server.strategies.fedgroup import edc_features
-
-LEAF_CNN_FEMNIST = 6_603_710  # parameters of the LEAF CNN with 62 classes
 
 
 def reference(updates: torch.Tensor, k: int, seed: int) -> np.ndarray:
@@ -67,8 +65,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=100, help="pre-trained clients (FedGroup's alpha x m)")
     ap.add_argument("--groups", type=int, default=5)
     ap.add_argument("--params", type=int, default=LEAF_CNN_FEMNIST)
-    ap.add_argument("--one", choices=("reference", "gram"), help=argparse.SUPPRESS)
-    ap.add_argument("--save", type=Path, help=argparse.SUPPRESS)
+    child_options(ap, ("reference", "gram"))
     args = ap.parse_args()
     if args.one:
         return one(args.one, args.clients, args.groups, args.params, args.save)

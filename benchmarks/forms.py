@@ -6,6 +6,7 @@ A benchmark script calls `run_forms` from its main; each child is the same scrip
 
 from __future__ import annotations
 
+import argparse
 import resource
 import shutil
 import subprocess
@@ -14,6 +15,14 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+LEAF_CNN_FEMNIST = 6_603_710  # parameters of the LEAF CNN with 62 classes: S3's model size
+
+
+def child_options(ap: argparse.ArgumentParser, forms: tuple[str, ...]) -> None:
+    """The hidden options `run_forms` gives each child."""
+    ap.add_argument("--one", choices=forms, help=argparse.SUPPRESS)
+    ap.add_argument("--save", type=Path, help=argparse.SUPPRESS)
 
 
 def peak_gb() -> float:
