@@ -73,5 +73,9 @@ class Exchange(Generic[R]):
         return sum(b for kinds in self.report["bytes"].values() for b in kinds.values())
 
     def decoded(self, decode: Callable[[R], T]) -> Exchange[T]:
-        """The same exchange with every reply turned into what the caller wants."""
-        return Exchange({c: decode(m) for c, m in self.results.items()}, self.kept, self.report)
+        """The same exchange with every reply turned into what the caller wants. Each raw
+        reply leaves this exchange as it is decoded, so that the raw and the decoded form
+        of a large exchange (FedGroup's 100 pre-trained CNNs: 2.6 GB each way) are never
+        both held whole; this exchange is empty afterwards."""
+        raw, self.results = self.results, {}
+        return Exchange({c: decode(raw.pop(c)) for c in list(raw)}, self.kept, self.report)

@@ -7,6 +7,7 @@ centroids up), and that without profiles nothing about the run changes but the c
 """
 
 import json
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +50,29 @@ def test_a_one_off_exchange_waits_for_every_client_and_moves_the_clock():
     kept, clock = pop.price("train", np.arange(3), 0, 0, 0, [10, 10, 1000])  # 3 x 20 ms a sample
     assert sorted(kept.tolist()) == [0, 1] and clock["stragglers"] == 1
     assert clock["emulated_s"] == pytest.approx(slowest + 5.0)
+
+
+def test_decoding_an_exchange_releases_each_raw_reply_before_the_next():
+    """`decoded` keeps the clients, the kept order and the report, and lets each raw reply
+    go once it is decoded, so a large exchange is not held raw and decoded at once."""
+
+    class Raw:
+        def __init__(self, value):
+            self.value = value
+
+    replies = {2: Raw(20), 0: Raw(0)}
+    refs = [weakref.ref(r) for r in replies.values()]
+    raw = Exchange(replies, [0, 2], {"kind": "train"})
+    del replies
+    alive = []
+
+    def decode(reply):
+        alive.append(sum(r() is not None for r in refs))  # raw replies still held
+        return reply.value + 1
+
+    out = raw.decoded(decode)
+    assert out.results == {2: 21, 0: 1} and out.kept == [0, 2] and out.report == {"kind": "train"}
+    assert alive == [2, 1] and raw.results == {}
 
 
 def test_without_profiles_nothing_is_priced():

@@ -655,6 +655,28 @@ def test_fedgroup_edc_features_are_the_cosines_to_the_top_singular_directions():
     np.testing.assert_allclose(got * signs, cosines, atol=1e-9)
     assert np.all(got[4] == 0)
     np.testing.assert_allclose(gram_matrix(dw, block=333), ref @ ref.T, rtol=1e-12)
+    # from the models and w^0 (as FedGroup's cold start calls it): the very same features
+    w0 = torch.randn(1000, generator=g).float()
+    models = dw + w0
+    assert np.array_equal(edc_features(models, 3, origin=w0), edc_features(models - w0, 3))
+
+
+def test_stack_consume_gives_the_same_stack_and_empties_the_replies():
+    """FedGroup's cold start stacks 100 CNNs with consume=True so that the replies and the
+    stack are not both held whole: the rows and counts are those of the plain stack, in
+    the clients' order, and each stacked reply has left the dict (the others stay)."""
+    from flt.server.strategies.base import stack
+
+    results = {c: Result(torch.full((4,), float(c)), 10 + c, {}) for c in (3, 1, 7)}
+    plain, n_plain = stack(results, [7, 1])
+    models, n = stack(results, [7, 1], consume=True)
+    assert torch.equal(models, plain) and torch.equal(n, n_plain) and n.dtype == n_plain.dtype
+    assert models[:, 0].tolist() == [7.0, 1.0] and n.tolist() == [17.0, 11.0]
+    assert list(results) == [3]
+    results[5] = Result(None, 4, {})
+    with pytest.raises(ValueError, match=r"clients \[5\] returned no model"):
+        stack(results, [3, 5], consume=True)
+    assert list(results) == [3, 5]  # refused before anything was taken
 
 
 def test_fedgroup_with_more_groups_than_clients_keeps_one_group_a_client(tmp_path, caplog):

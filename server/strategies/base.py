@@ -261,15 +261,25 @@ def one_hot(labels: np.ndarray | list[int], clusters: int, like: torch.Tensor) -
     return r
 
 
-def stack(results: dict[int, Result], clients: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Models [n, P] and sample counts [n] of `clients`, in that order."""
-    rows = [m for m in (results[c].model for c in clients) if m is not None]
-    if len(rows) != len(clients):  # a device-resident model (Local) never reaches the server
-        missing = [c for c in clients if results[c].model is None]
+def stack(
+    results: dict[int, Result], clients: Sequence[int] | np.ndarray, consume: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Models [n, P] and sample counts [n] of `clients`, in that order. `consume` pops
+    each client's result from `results` once its row is copied, so that the replies and
+    the stack are never both held whole (FedGroup's pre-training: 100 CNNs, 2.6 GB)."""
+    missing = [c for c in clients if results[c].model is None]
+    if missing:  # a device-resident model (Local) never reaches the server
         raise ValueError(f"clients {missing[:10]} returned no model: nothing to average")
-    models = torch.stack(rows)
-    n = torch.tensor([float(results[c].n) for c in clients], device=models.device)
-    return models, n
+    if not consume:
+        models = torch.stack([results[c].model for c in clients])
+        return models, torch.tensor([float(results[c].n) for c in clients], device=models.device)
+    first = results[clients[0]].model
+    models = torch.empty(len(clients), first.numel(), dtype=first.dtype, device=first.device)
+    n = torch.empty(len(clients), dtype=torch.float32)
+    for i, c in enumerate(clients):
+        result = results.pop(c)
+        models[i], n[i] = result.model, float(result.n)
+    return models, n.to(models.device)
 
 
 def agreement(found: np.ndarray, truth: np.ndarray) -> dict:

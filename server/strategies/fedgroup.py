@@ -93,25 +93,25 @@ class FedGroup(Strategy):
             self.models, self.directions = self.models[: self.m], self.directions[: self.m]
         self.pretrained = len(results)
         clients = sorted(results)
-        models, n = stack(results, clients)
-        updates = models - self.init
-        labels = self.edc_groups(updates)
+        models, n = stack(results, clients, consume=True)  # replies leave `results` as stacked: one copy
+        labels = self.edc_groups(models)
         r = one_hot(labels, self.m, models)
         ones = torch.ones_like(n)  # FedGroup's group initialisation is a plain mean
         self.models = cluster_average(models, ones, r, keep=self.models)
+        updates = models.sub_(self.init)  # in place: the models are not needed again
         self.directions = cluster_average(updates, ones, r, keep=self.directions)
         self.group[clients] = labels
 
-    def edc_groups(self, updates: torch.Tensor) -> np.ndarray:
+    def edc_groups(self, models: torch.Tensor) -> np.ndarray:
         """K-means++ groups of the clients' decomposed cosine similarities to the m top
-        singular directions of their updates [n, P]."""
-        n, p = updates.shape
+        singular directions of their updates dw_i = w_i - w^0 (from their models [n, P])."""
+        n, p = models.shape
         k = min(self.m, n - 1, p - 1)
         if k < 1:
             return np.zeros(n, dtype=np.int64)
         seed = int(self.ctx.seed)
         found = KMeans(n_clusters=min(self.m, n), init="k-means++", n_init=10, random_state=seed)
-        return found.fit_predict(edc_features(updates, k)).astype(np.int64)
+        return found.fit_predict(edc_features(models, k, origin=self.init)).astype(np.int64)
 
     # -- rounds -------------------------------------------------------------------------
     def train_tasks(self, rnd: int, selected: np.ndarray) -> dict[int, Task]:
@@ -176,14 +176,15 @@ class FedGroup(Strategy):
         }
 
 
-def edc_features(updates: torch.Tensor, k: int) -> np.ndarray:
+def edc_features(updates: torch.Tensor, k: int, origin: torch.Tensor | None = None) -> np.ndarray:
     """x_ij = cos(dw_i, v_j) for the k top singular directions v_j of dW^T [P, n], from the
     n x n Gram matrix G = dW dW^T alone: with dW = A S V^T, dw_i . v_j = s_j A_ij, so
     x_ij = s_j A_ij / |dw_i|, where G = A S^2 A^T gives A and s exactly and |dw_i|^2 = G_ii.
     No [P, n] float64 copy or SVD of it: on S3 with the LEAF CNN (100 updates of 6.6 M
-    parameters) those took the server to 20 GB. The columns' signs are arbitrary, which
-    k-means does not see (a reflection keeps every distance)."""
-    gram = gram_matrix(updates)
+    parameters) those took the server to 20 GB. With `origin` [P] the rows are models and
+    dw_i = w_i - origin, subtracted a block at a time (no [n, P] copy either). The columns'
+    signs are arbitrary, which k-means does not see (a reflection keeps every distance)."""
+    gram = gram_matrix(updates, origin=origin)
     values, vectors = np.linalg.eigh(gram)  # ascending
     top = np.argsort(values, kind="stable")[::-1][:k]
     sigma = np.sqrt(np.clip(values[top], 0.0, None))
@@ -192,11 +193,15 @@ def edc_features(updates: torch.Tensor, k: int) -> np.ndarray:
     return vectors[:, top] * sigma / norms[:, None]
 
 
-def gram_matrix(rows: torch.Tensor, block: int = 1 << 20) -> np.ndarray:
-    """rows @ rows.T in float64, summed over column blocks so that no float64 copy of the
-    whole [n, P] matrix exists (one block of n x 2^20 at a time)."""
+def gram_matrix(rows: torch.Tensor, block: int = 1 << 20, origin: torch.Tensor | None = None) -> np.ndarray:
+    """D @ D.T in float64 for D = rows - origin (rows itself without one), summed over
+    column blocks so that neither D nor a float64 copy of it exists whole (one block of
+    n x 2^20 at a time; the subtraction is the same float32 one as on the whole matrix)."""
     gram = torch.zeros(rows.shape[0], rows.shape[0], dtype=torch.float64, device=rows.device)
     for start in range(0, rows.shape[1], block):
-        part = rows[:, start : start + block].double()
+        part = rows[:, start : start + block]
+        if origin is not None:
+            part = part - origin[start : start + block]
+        part = part.double()
         gram += part @ part.T
     return gram.cpu().numpy()
