@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 import torch
@@ -271,14 +271,14 @@ def stack(
     if missing:  # a device-resident model (Local) never reaches the server
         raise ValueError(f"clients {missing[:10]} returned no model: nothing to average")
     if not consume:
-        models = torch.stack([results[c].model for c in clients])
+        models = torch.stack([m for m in (results[c].model for c in clients) if m is not None])
         return models, torch.tensor([float(results[c].n) for c in clients], device=models.device)
-    first = results[clients[0]].model
+    first = cast(torch.Tensor, results[clients[0]].model)  # no model is None: checked above
     models = torch.empty(len(clients), first.numel(), dtype=first.dtype, device=first.device)
     n = torch.empty(len(clients), dtype=torch.float32)
     for i, c in enumerate(clients):
         result = results.pop(c)
-        models[i], n[i] = result.model, float(result.n)
+        models[i], n[i] = cast(torch.Tensor, result.model), float(result.n)
     return models, n.to(models.device)
 
 
