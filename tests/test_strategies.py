@@ -679,6 +679,35 @@ def test_stack_consume_gives_the_same_stack_and_empties_the_replies():
     assert list(results) == [3, 5]  # refused before anything was taken
 
 
+def test_fedgroup_places_a_late_joiner_by_the_groups_cold_start_directions(tmp_path):
+    """A client that joins after the groups have trained is compared, as FedGroup's authors
+    do (`client_cold_start` against each group's `opt_updates`), with where each group's
+    members went from w^0, like its own update, and not with the group's latest round step.
+    Here each group's round step points along the other group's cold-start direction, as
+    late steps of a trained model need not follow the first ones: by its latest step every
+    joiner would land in the wrong group."""
+    m = 6
+    truth = np.array([0, 0, 0, 1, 1, 1])
+    ctx = make_ctx(tmp_path, m=m, truth=truth, n_train=np.full(m, 5))
+    way = torch.eye(P)[:2] * 3.0  # group 0 goes along e_0 from w^0, group 1 along e_1
+    fed = FakeFederation(ctx.init + 2 * way[truth], ctx.n_train)  # training steps halfway there
+    fed.present = np.arange(m)
+    strategy = FedGroup(ctx, groups=2, pretrain_scale=2)  # 4 of the 6 pre-train
+    strategy.setup(fed)
+    warm = np.flatnonzero(strategy.group >= 0)
+    joiners = np.flatnonzero(strategy.group < 0)
+    assert len(warm) == 4 and len(joiners) == 2
+    group_of = {int(truth[c]): int(strategy.group[c]) for c in warm}
+    assert sorted(group_of.values()) == [0, 1]  # the cold start separated the two
+    step = {int(c): result(strategy.models[strategy.group[c]] + 5 * way[1 - truth[c]]) for c in warm}
+    strategy.aggregate(1, step)  # each group's round step: along the other group's way
+    noise = 0.1 * torch.randn(m, P, generator=torch.Generator().manual_seed(5))
+    joined = {int(c): result(ctx.init + way[truth[c]] + noise[c]) for c in joiners}
+    strategy.aggregate(2, joined)
+    assert [int(strategy.group[c]) for c in joiners] == [group_of[int(truth[c])] for c in joiners]
+    assert strategy.summary()["ari"] == pytest.approx(1.0)
+
+
 def test_fedgroup_with_more_groups_than_clients_keeps_one_group_a_client(tmp_path, caplog):
     """groups: 5 on 3 clients stopped the whole run (exit 3, "fewer than m = 5") after the
     methods before it; now it goes on with 3 groups and says so."""

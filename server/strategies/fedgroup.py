@@ -7,22 +7,25 @@ matrix dW [n, P]. A truncated SVD of dW^T gives m directions V = [v_1..v_m] [P, 
 each client is described by its decomposed cosine similarities
     x_i = (cos(dw_i, v_1), ..., cos(dw_i, v_m))
 (the Euclidean distance between two such rows is the paper's EDC measure; computed
-exactly from the n x n Gram matrix dW dW^T, `edc_features`). K-means++
-(m groups, seeded) clusters the rows; group g starts from the mean of its members' models
-and remembers the mean of their updates as its direction u_g. Fewer pre-trained replies
-than m (fewer clients than groups, or devices lost) make m that number, with a warning.
+exactly from the n x n Gram matrix dW dW^T, `edc_features`). K-means++ (m groups,
+seeded) clusters the rows; group g starts from the mean of its members' models and keeps
+the mean of their updates as its direction u_g, a step from w^0 like every cold-start
+update (the authors' code: the group's `opt_updates`, set once). Fewer pre-trained replies than m
+(fewer clients than groups, or devices lost) make m that number, with a warning.
 
 Rounds: each selected client trains from its group's model; each group averages its
-members' models (weighted by samples), and u_g becomes the group's latest update. With
-`inter_group_lr` eta > 0, each group model also moves eta times the mean of the other
-groups' updates (FedGroup's optional inter-group aggregation; 0 by default).
+members' models (weighted by samples). With `inter_group_lr` eta > 0, each group model
+also moves eta times the mean of the other groups' round updates (FedGroup's optional
+inter-group aggregation; 0 by default).
 
 Client cold start: a client with no group (not among the pre-trained, or a newcomer)
 trains, the first time it is selected, from w^0; its update dw joins the group with the
-smallest cosine dissimilarity to u_g, and since it did not start from that group's
-model it is not averaged into it that round. (FedGroup's code pre-trains a newcomer and
-then trains it with its group in the same round; here the cold-start training is that
-round's work, so the client trains once per selection like every other.)
+smallest cosine dissimilarity to u_g (the authors' `client_cold_start`: from w^0, against
+`opt_updates`; a group's latest round step, which their code compares only when a client
+is redone, points elsewhere once the group has trained). Since the client did not start
+from that group's model it is not averaged into it that round. (FedGroup's code pre-trains
+a newcomer and then trains it with its group in the same round; here the cold-start
+training is that round's work, so the client trains once per selection like every other.)
 
 Evaluation: a client with a group is evaluated with its group's model, one without with
 the mean of the group models (FedGroup's auxiliary global model).
@@ -64,7 +67,7 @@ class FedGroup(Strategy):
         self.eta = float(self.params["inter_group_lr"])
         self.init = self.on(ctx.init.clone())
         self.models = self.init[None].repeat(self.m, 1)  # [m, P], set by the cold start
-        self.directions = torch.zeros_like(self.models)  # u_g: each group's latest update
+        self.directions = torch.zeros_like(self.models)  # u_g: each group's cold-start update from w^0
         self.group = np.full(ctx.n_clients, -1, dtype=np.int64)
         self.rng = np.random.default_rng(int(ctx.seed))
         self.pretrained = 0
@@ -133,16 +136,14 @@ class FedGroup(Strategy):
         models, n = stack(results, warm)
         old = self.models
         new = cluster_average(models, n, one_hot(self.group[warm], self.m, models), keep=old)
-        delta = new - old
-        hit = torch.as_tensor(np.isin(np.arange(self.m), self.group[warm]), device=delta.device)
-        self.directions[hit] = delta[hit]
-        if self.eta > 0 and self.m > 1:  # each group moves towards the others' mean update
+        if self.eta > 0 and self.m > 1:  # each group moves towards the others' mean round update
+            delta = new - old
             others = (delta.sum(0, keepdim=True) - delta) / (self.m - 1)
             new = new + self.eta * others
         self.models = new
 
     def cold_start(self, rnd: int, clients: list[int], results: dict[int, Result]) -> None:
-        """Each client joins the group whose latest update is the most like its own."""
+        """Each client joins the group whose cold-start update from w^0 is the most like its own."""
         models, _ = stack(results, clients)
         updates = models - self.init
         dissimilarity = 1 - torch.nn.functional.cosine_similarity(
