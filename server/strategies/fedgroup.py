@@ -10,8 +10,9 @@ each client is described by its decomposed cosine similarities
 exactly from the n x n Gram matrix dW dW^T, `edc_features`). K-means++ (m groups,
 seeded) clusters the rows; group g starts from the mean of its members' models and keeps
 the mean of their updates as its direction u_g, a step from w^0 like every cold-start
-update (the authors' code: the group's `opt_updates`, set once). Fewer pre-trained replies than m
-(fewer clients than groups, or devices lost) make m that number, with a warning.
+update (the authors' code: the group's `opt_updates`, set once). Fewer pre-trained
+replies than m (fewer clients than groups, or devices lost) make m that number, with a
+warning.
 
 Rounds: each selected client trains from its group's model; each group averages its
 members' models (weighted by samples). With `inter_group_lr` eta > 0, each group model
