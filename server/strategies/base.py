@@ -271,7 +271,7 @@ def stack(
     if missing:  # a device-resident model (Local) never reaches the server
         raise ValueError(f"clients {missing[:10]} returned no model: nothing to average")
     if not consume:
-        models = torch.stack([m for m in (results[c].model for c in clients) if m is not None])
+        models = torch.stack([cast(torch.Tensor, results[c].model) for c in clients])  # none is None: checked above
         return models, torch.tensor([float(results[c].n) for c in clients], device=models.device)
     first = cast(torch.Tensor, results[clients[0]].model)  # no model is None: checked above
     models = torch.empty(len(clients), first.numel(), dtype=first.dtype, device=first.device)
