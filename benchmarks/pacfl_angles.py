@@ -37,7 +37,7 @@ from sklearn.metrics import adjusted_rand_score
 from flt.devices.methods.subspace import class_bases
 from flt.emulator import config
 from flt.emulator.run import build_partition, hold_out_public, load_data
-from flt.server.strategies.pacfl import hierarchical, smallest_angles
+from flt.server.strategies.pacfl import _stack, hierarchical, smallest_angles
 from flt.server.strategies.params import PACFL as PACFL_PARAMS
 
 
@@ -73,11 +73,10 @@ def pair_kinds(holds: np.ndarray, truth: np.ndarray) -> np.ndarray:
 def same_class_argmin(bases, classes) -> np.ndarray:
     """[M, M] whether the pair's smallest angle falls between two rows of one class."""
     rows = max(len(b) for b in bases)
-    stacked = np.zeros((len(bases), rows, bases[0].shape[1]))
+    t = _stack(bases, rows)  # PACFL's own padding: zero rows never win
     label = np.full((len(bases), rows), -1)
-    for i, (b, c) in enumerate(zip(bases, classes, strict=True)):  # one copy per client
-        stacked[i, : len(b)], label[i, : len(c)] = b, c
-    t = torch.from_numpy(stacked)
+    for i, c in enumerate(classes):  # one copy per client
+        label[i, : len(c)] = c
     cos = torch.einsum("ird,jsd->ijrs", t, t).abs().reshape(len(bases), len(bases), -1)
     best = cos.argmax(-1).numpy()
     r, s = np.divmod(best, rows)
