@@ -184,6 +184,9 @@ def test_newcomers_join_as_a_new_process_get_a_model_and_are_evaluated(dynamic_r
     # cluster 4 was never seen: it opens a cluster of its own, nobody else moves
     assert len(arrival["opened"]) == 1 and arrival["moved"] == [] and arrival["ari"] == 1.0
     assert set(arrival["start_models"].values()) <= {"nearest", "global"}
+    # the start-model choice's candidates and losses are in FLT's byte formula too
+    flt = summary["methods"]["flt"]
+    assert flt["bytes_vs_formula"] == pytest.approx(1.0, abs=1e-12), (flt["expected"], flt["formula_payload_bytes"])
     assert "acc_newcomers" not in rows[8] and "acc_newcomers" in rows[9]  # apart from the incumbents
     first = summary["methods"]["flt"]["changes"][0]
     assert first["measured_on"] == "incumbents" and "newcomers_accuracy" in first

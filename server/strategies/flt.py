@@ -94,6 +94,7 @@ class FLT(Reclustering):
         self.flag_round: dict[int, int] = {}  # outstanding data-change flags: client -> round first seen
         self.monitored: set[int] = set()  # of those, flagged by the server-side monitor
         self.payload_bytes, self.centroids_sent, self.encoders_sent = 0, 0, 0
+        self.candidates_sent = 0  # models sent for a new cluster's start-model choice
         self.encoder_info: dict = {}
         self.opened: dict[int, int] = {}  # clusters the last placement opened -> their nearest old one
         self.timeline: list[tuple[int, np.ndarray]] = []  # (round, labels) at every clustering
@@ -406,10 +407,13 @@ class FLT(Reclustering):
         latent = self.fcr_reports[0]["latent"] if self.fcr_reports else 0
         return {
             # 3k: k centroids of the client's data and k of each of its halves; + 1: each one's share
-            "formula": "M*W_enc + 3k*M*(e+1) + 2*rho*M*W_local*T",
+            # + after a re-clustering that opens a cluster: 2 candidate models down to each of
+            # its members (their 2 losses come back as control traffic, as metrics do)
+            "formula": "M*W_enc + 3k*M*(e+1) + 2*rho*M*W_local*T (+ 2*W_local per member of an opened cluster)",
             "bytes": self.encoders_sent * self.payload_bytes
             + self.centroids_sent * (latent + (self.params["k"] == "labels") + 1) * 4  # class column, share
-            + 2 * selections * model_bytes,
+            + 2 * selections * model_bytes
+            + self.candidates_sent * model_bytes,
         }
 
 

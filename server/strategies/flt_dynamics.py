@@ -43,6 +43,7 @@ class Reclustering(Strategy):
     monitored: set[int]  # of those, flagged by the server-side monitor
     opened: dict[int, int]  # clusters the last placement opened -> their nearest old one
     timeline: list[tuple[int, np.ndarray]]  # (round, labels) at every clustering
+    candidates_sent: int  # start-model candidates sent down (counted for expected_bytes)
 
     def embed(self, fed: FederationView, clients: np.ndarray, rnd: int, purpose: str = "fcr") -> Exchange:
         raise NotImplementedError  # FLT: send the encoder, keep the centroids
@@ -104,6 +105,7 @@ class Reclustering(Strategy):
             candidates = torch.stack([self.models[k], everyone]).cpu().numpy()
             ex = fed.run(CHOOSE, rnd, {c: Call({"model": candidates}) for c in members}, purpose)
             spent += ex.bytes
+            self.candidates_sent += len(members) * len(candidates)
             loss = np.zeros(2)
             for c, r in ex.results.items():  # shapes checked (server/replies.py: choose_check)
                 got = r.tensors["losses"].astype(np.float64)
