@@ -11,6 +11,7 @@ import torch
 
 from flt.common.schema import ConfigError, validate
 from flt.emulator.population import Population
+from flt.reports.summary import clustering
 from flt.server import fcr
 from flt.server.encoder import image_source
 from flt.server.exchange import Exchange, Reply
@@ -289,6 +290,7 @@ def test_fedsem_waits_for_k_models_before_init(tmp_path, caplog):
     assert torch.allclose(s.train_tasks(3, np.array([4]))[4].models[0], 2 * torch.ones(P))
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "3 centres need a round in which 3 clients return" in warning and "2 returned" in warning
+    assert clustering(s.summary()) == (1, None)  # the table: one model, not 'clusters 0'
 
 
 def test_fedsem_pool_all_clusters_every_clients_latest_model(tmp_path):
