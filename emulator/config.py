@@ -419,6 +419,11 @@ def resolve(raw: dict) -> dict:
     p = cfg["partition"]
     if p["kind"] in ("clusters", "structured") and p["classes_per_cluster"] <= p["shared_classes"]:
         raise ConfigError("partition.shared_classes: must be smaller than partition.classes_per_cluster")
+    if p["kind"] in ("clusters", "structured") and p["clusters"] > p["clients"]:  # before any data is read
+        raise ConfigError(
+            f"partition.clusters: {p['clusters']} clusters for {p['clients']} clients (partition.clients); "
+            "each cluster needs a client"
+        )
     if p["kind"] == "writers" and p["max_per_class"] is not None:
         raise ConfigError("partition.max_per_class: a writer keeps all its images (kind writers); remove it")
     _check_shift(p)

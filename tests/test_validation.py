@@ -237,6 +237,14 @@ def test_clock_settings_without_profiles_are_refused(override):
     assert config.load(QUICKSTART, [override, phones])["population"][key.split(".")[1]] == float(override[-1])
 
 
+@pytest.mark.parametrize("kind", ["clusters", "structured"])
+def test_more_clusters_than_clients_is_refused_before_the_data_is_read(kind):
+    """It was refused only by the partitioner, after the data had loaded, without the file."""
+    with pytest.raises(ConfigError, match=r"partition.clusters: 5 clusters for 2 clients"):
+        config.load(QUICKSTART, [f"partition.kind={kind}", "partition.clients=2"])
+    assert config.load(QUICKSTART, ["partition.kind=iid", "partition.clients=2"])["partition"]["clients"] == 2
+
+
 def test_crash_names_a_device_the_run_starts():
     """devices.crash={5: 2} with two device processes crashed nothing, silently."""
     with pytest.raises(ConfigError, match=r"devices.crash: no device 5: this run starts 2 device processes"):
