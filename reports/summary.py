@@ -205,7 +205,9 @@ def clustering(m: dict) -> tuple[int | None, float | None]:
     if "found_clusters" not in m:
         return None, None
     found = {c for c in m["found_clusters"] if c >= 0}
-    return m.get("clusters", len(found)), m.get("ari")
+    # nobody assigned yet (FedSEM before K models returned, IFCA before any pick): every
+    # client trains and is evaluated with the one fallback model
+    return m.get("clusters", len(found) or 1), m.get("ari")
 
 
 def _f(x, width: int) -> str:

@@ -161,6 +161,10 @@ def test_ifca_tasks_carry_all_cluster_models(tmp_path):
     assert (m[1:] - ctx.init).std() == pytest.approx(0.01, rel=0.5)
     # same seed, same models
     assert torch.equal(IFCA(ctx, clusters=3).train_tasks(1, np.array([0]))[0].models, m)
+    # no client has picked (none returned before the deadline): every client is evaluated
+    # with model 0, and the table says 1 cluster, not 0
+    _, rows = s.eval_models(np.arange(4))
+    assert (rows == 0).all() and clustering(s.summary())[0] == 1
 
 
 def test_ifca_warns_when_it_has_more_cluster_models_than_clients(tmp_path, caplog):

@@ -216,8 +216,6 @@ class FedSEM(Strategy):
         sizes = np.bincount(self.assign[self.assign >= 0], minlength=self.k)
         return {
             "found_clusters": self.assign.tolist(),
-            # no round returned K models: every client trained the one FedAvg model
-            **({"clusters": 1} if self.centres is None else {}),
             "cluster_sizes": sizes.tolist(),
             "init_round": self.init_round,
             "reassignments": self.moves,
