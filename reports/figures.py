@@ -3,6 +3,7 @@ UMAP scatter, and agreement with the planted clusters when they are known."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,10 @@ def plot_fcr(
 
     if len(z):
         fig, ax = plt.subplots(figsize=(max(6, len(labels) * 0.08), 4))
-        dendrogram(z, ax=ax, no_labels=len(labels) > 60, color_threshold=None)
+        with warnings.catch_warnings():  # every merge at height 0 (identical clients): scipy sets
+            # the axis to [0, 0], matplotlib widens it and warns on the user's terminal
+            warnings.filterwarnings("ignore", "Attempting to set identical low and high ylims")
+            dendrogram(z, ax=ax, no_labels=len(labels) > 60, color_threshold=None)
         ax.set(title="dendrogram of the clients", ylabel="merge height")
         fig.tight_layout()
         paths.append(out_dir / f"dendrogram{tag}.png")

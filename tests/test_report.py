@@ -7,8 +7,10 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from flt.common.schema import ConfigError
@@ -465,3 +467,17 @@ def test_a_run_stopped_before_its_last_round_says_so(tmp_path):
     assert (fedavg["rounds"], fedavg["rounds_planned"], fedavg["final_round"]) == ("3", "10", "3")
     html_report.build([fake_run(tmp_path / "whole")], tmp_path / "out2")  # all 3 of 3: no mark
     assert "| toy | flt | 3 | 90.00 ± 1.50 | 91.00 ± 1.50 (2) |" in (tmp_path / "out2" / "report.md").read_text()
+
+
+def test_a_dendrogram_of_identical_clients_draws_without_a_warning(tmp_path):
+    """Two clients at distance 0 (found by tests/shape_sweep.py): scipy's zero-height axis
+    made matplotlib print a UserWarning on the user's terminal."""
+    from flt.reports.figures import plot_fcr
+
+    z = np.array([[0.0, 1.0, 0.0, 2.0]])  # one merge at height 0
+    adj = np.zeros((2, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = plot_fcr(tmp_path, adj, np.ones((2, 2)), z, np.arange(2), [np.zeros((1, 2))] * 2, np.zeros(2, int))
+    assert [p.name for p in paths] == ["adjacency.png", "dendrogram.png", "centroids.png"]
+    assert all(p.stat().st_size > 0 for p in paths)
