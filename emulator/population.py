@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,6 +29,8 @@ from numpy.typing import ArrayLike
 from flt.common.schema import ConfigError
 from flt.emulator.clock import EmulatedClock, close_round, overcommit_count, task_seconds
 from flt.emulator.profiles import Profiles
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -79,6 +82,7 @@ class Population:
         self.present[late.astype(np.int64)] = False
         self.clock = EmulatedClock()
         self.target = 0
+        self.said_deadline = False  # warned that a round's deadline kept nobody
 
     # -- who ----------------------------------------------------------------------------
     def newcomers(self) -> np.ndarray:
@@ -219,6 +223,8 @@ class Population:
             )
         else:
             outcome = close_round(ids, durations, start_s=self.clock.now_s)
+        if rounds and outcome.stragglers.size and not outcome.kept.size:
+            self._say_deadline_kept_nobody(float(np.min(durations)))
         self.clock.advance(outcome.duration_s)
         return outcome.kept, {
             "duration_s": outcome.duration_s,
@@ -226,6 +232,19 @@ class Population:
             "stragglers": int(len(outcome.stragglers)),
             "dropouts": int(len(outcome.dropouts)),
         }
+
+    def _say_deadline_kept_nobody(self, fastest_s: float) -> None:
+        """Once a method: a deadline no selected client met trains nobody that round, which
+        the progress line shows only as '0/n returned'."""
+        if self.said_deadline:
+            return
+        self.said_deadline = True
+        log.warning(
+            "population.deadline_s: no client of a round finished within %g emulated s (the fastest "
+            "needed %.1f s to download, train and upload), so that round trained nobody",
+            self.deadline_s,
+            fastest_s,
+        )
 
 
 def assign_profiles(spec: dict | None, n_clients: int, seed: int) -> Profiles | None:

@@ -65,6 +65,23 @@ def test_a_straggler_past_the_deadline_is_dropped():
     assert clock["duration_s"] == pytest.approx(20.0) and clock["emulated_s"] == pytest.approx(20.0)
 
 
+def test_a_deadline_no_client_meets_is_said_once(caplog):
+    """Found by tests/shape_sweep.py: a 3 s deadline under a CNN's upload trained nobody in
+    any round, and only '0/3 returned' on the progress lines said so."""
+    m = 4
+    pop = Population(m, rho=1.0, seed=0, profiles=profiles(m, ms=10.0), deadline_s=2.0)
+    steps = np.array([60, 61, 70, 80])  # 18 s and more each, past the deadline
+    with caplog.at_level("WARNING", logger="flt.emulator.population"):
+        for rnd in (1, 2):
+            pop.select(rnd, np.arange(m))
+            kept, clock = pop.price("train", np.arange(m), 1_000_000, 1_000_000, 0, 10 * steps)
+            assert kept.size == 0 and clock["stragglers"] == m
+        pop.price("train", np.arange(m), 1_000_000, 1_000_000, 0, np.full(m, 1))  # 1.03 s each: kept
+    (said,) = [r.getMessage() for r in caplog.records]  # once, though two rounds kept nobody
+    assert "population.deadline_s: no client of a round finished within 2 emulated s" in said
+    assert "the fastest needed 20.0 s" in said
+
+
 def test_overcommitment_draws_more_and_keeps_the_fastest():
     m = 20
     pop = Population(m, rho=0.25, seed=3, profiles=profiles(m), overcommit=1.4)
