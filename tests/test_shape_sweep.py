@@ -1,0 +1,48 @@
+"""tests/shape_sweep.py (a probe, not a test): its shapes are seeded, valid and varied, and its verdict sees
+what a finished run's summary gets wrong."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import shape_sweep  # tests/ is on sys.path under pytest
+import yaml
+
+from flt.emulator import config
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+
+
+def test_shapes_are_seeded_valid_scenarios_that_cover_every_kind_and_method(tmp_path):
+    shapes = [shape_sweep.shape(i, 0, SHARED) for i in range(300)]
+    assert shapes[7] == shape_sweep.shape(7, 0, SHARED) and shapes[7] != shape_sweep.shape(7, 1, SHARED)
+    labels = set()
+    for i, s in enumerate(shapes):  # every shape passes validation: a refusal would test nothing
+        path = tmp_path / f"s{i}.yaml"
+        path.write_text(yaml.safe_dump(s))
+        cfg = config.load(path, [])
+        labels |= {m["label"] for m in cfg["methods"]}
+    kinds = {s["partition"]["kind"] for s in shapes}
+    assert {"clusters", "dirichlet", "iid", "structured"} <= kinds
+    names = {m if isinstance(m, str) else m["name"] for s in shapes for m in s["methods"]}
+    assert set(shape_sweep.CLUSTERING) | {"fedavg", "fedprox", "local", "oracle"} == names
+    assert {"flt_labels", "flt_paper", "flt_tuned", "pacfl_c", "fedsem_all"} <= labels
+    assert any("newcomers" in s["population"] for s in shapes) and any("drift" in s["population"] for s in shapes)
+    assert any("crash" in s["devices"] for s in shapes)
+
+
+def test_the_verdict_flags_an_inconsistent_summary(tmp_path):
+    good = {"method": "fedsem", "final_accuracy": 50.0, "bytes_vs_formula": 1.0, "found_clusters": [0, 1]}
+    bad = {
+        "method": "fedsem",
+        "final_accuracy": float("nan"),
+        "bytes_vs_formula": 1.17,
+        "clusters": 0,
+        "found_clusters": [],
+    }
+    (tmp_path / "summary.json").write_text(json.dumps({"methods": {"a": good, "b": bad}}))
+    problems = shape_sweep.summary_problems(tmp_path)
+    assert problems == ["b: final accuracy nan", "b: bytes 1.170000 x its formula", "b: 0 clusters in the table"]
+    assert shape_sweep.summary_problems(tmp_path / "nowhere") == ["no summary.json"]
