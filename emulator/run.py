@@ -310,16 +310,16 @@ class Dynamics:
 
 
 def carry_over(fed: Federation, previous: Path, progress: Progress) -> None:
-    """A method that starts afresh on resume continues the run's batch ids and lost devices
-    from the method before it. Without that method's checkpoint (its folder deleted to run
-    it again, or damaged) it starts as in a fresh run: only message ids and devices lost
-    earlier differ, so it says so and goes on."""
+    """A method that starts afresh on resume knows the devices lost before it, from the
+    method before it. Without that method's checkpoint (its folder deleted to run it again,
+    or damaged) it starts as in a fresh run, where only those devices differ, so it says so
+    and goes on."""
     try:
         fed.carry_over(checkpoint.load(previous)["federation"])
     except checkpoint.DamagedCheckpoint as exc:
         progress(
-            f"resume: cannot read {previous} ({exc.reason}); the next method starts without the batch ids "
-            "and lost devices of the one before it"
+            f"resume: cannot read {previous} ({exc.reason}); the next method starts without the lost "
+            "devices of the one before it"
         )
 
 
@@ -392,6 +392,8 @@ def _run_scenario(cfg: dict, out: str | None, progress: Progress, resume: bool, 
             dynamics.method = i  # newcomer process names, as in an uninterrupted run
             population = make_population(cfg, ctx, schedule, profiles, dynamics)
             again = resume and (run_dir / spec["label"] / CHECKPOINT).exists()
+            if not again:  # a checkpoint's own ids otherwise (Federation.load_state_dict)
+                transport.start_method(i)
             if resume and not again and i > 0:  # starts afresh after a method finished before
                 carry_over(fed, run_dir / cfg["methods"][i - 1]["label"] / CHECKPOINT, progress)
             try:

@@ -273,14 +273,13 @@ class Federation:
         self._restore_device_state(state["clients"])
         restore_vars(self.transport, {"ledger": state["ledger"]})
         self.events = list(state.get("events", []))  # set-up's, when killed before round 1
-        self.carry_over(state)
+        self.transport.batches = itertools.count(state["batch"])
         return [int(c) for c in state["clients"].get("missing", [])]
 
     def carry_over(self, state: dict) -> None:
-        """A method that starts afresh on resume continues the run's batch ids and lost
-        devices from the one before it (`state`: that method's last checkpoint)."""
+        """A method that starts afresh on resume knows the devices lost before it (`state`:
+        the last checkpoint of the method before it)."""
         self.transport.lost_devices.update(state["lost_devices"])
-        self.transport.batches = itertools.count(state["batch"])
 
     def _hosted(self) -> list[int]:
         lost = set(self.transport.lost_clients().tolist())

@@ -47,6 +47,9 @@ SEND_TIMEOUT_S = 30.0
 # MIN_JUDGED_S are cut as before: /proc counts CPU time in 1/100 s ticks.
 PATIENCE = 30
 MIN_JUDGED_S = 1.0
+# A method's batch ids: 16 digits each for the first nine million methods of a run, a
+# billion ids each (a round takes one or a few)
+FIRST_METHOD_BATCH, METHOD_BATCHES = 10**15, 10**9
 
 
 class Rejections:
@@ -146,7 +149,7 @@ class Transport:
         self.moved = 0  # tasks run by a device other than their client's host, over the run
         self.lost_devices: set[str] = set()
         self.lost_why: dict[str, str] = {}  # device -> why it was lost, for the run's last error
-        self.batches = itertools.count(1)
+        self.batches = itertools.count(1)  # set-up's; each method takes its own range (start_method)
         # the emulator's own exchanges (checkpoint snapshots) count down from -2, apart from
         # the method's ids (-1 marks an error reply without one): how often a run checkpoints
         # must not shift the ids, whose digits are in every billed header
@@ -516,6 +519,12 @@ class Transport:
             yield billed
         finally:
             self.ledger = billed
+
+    def start_method(self, index: int) -> None:
+        """The `index`-th method of the run takes batch ids from a range of its own, all of
+        one width: a late reply of an earlier method is never taken for its own, and, ids
+        being in every billed header, its bytes do not depend on the methods run before it."""
+        self.batches = itertools.count(FIRST_METHOD_BATCH + index * METHOD_BATCHES)
 
     def next_batch(self) -> int:
         """The batch id the method's next exchange will take (peeked, not consumed)."""

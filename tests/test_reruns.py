@@ -200,20 +200,9 @@ def test_a_shorter_run_is_the_first_rounds_of_a_longer_one(tmp_path):
     for method in ("fedavg", "flt"):
         short, long = runs[2][method], runs[3][method][:2]
         assert len(runs[3][method]) == 3
-        # FLT's round-2 messages of a T = 2 run are 1 byte shorter each than a T = 3 run's:
-        # the header's batch id counts every exchange of the run (server/transport.py, so a
-        # late reply of an earlier method is never taken for a current one), and after
-        # FedAvg's extra round FLT's ids have one more digit. Bytes may differ by a few
-        # header bytes, nothing else may
-        assert [_no_bytes(r) for r in short] == [_no_bytes(r) for r in long], method
-        for a, b in zip(short, long, strict=True):
-            for way in ("up", "down"):
-                for kind, n in a["bytes"][way].items():
-                    assert abs(n - b["bytes"][way][kind]) <= 1e-4 * max(n, 1) + 64, (method, way, kind)
-
-
-def _no_bytes(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k != "bytes"}
+        # bytes included: a method's batch ids (in every header) do not depend on how many
+        # exchanges the methods before it took (server/transport.py start_method)
+        assert short == long, method
 
 
 def test_a_clients_fine_tuned_embedding_does_not_depend_on_its_device_mates():
