@@ -17,6 +17,22 @@ REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
 
 
+def results_without_timing(run_dir: Path) -> dict:
+    """Every metrics.jsonl line and summary.json, minus the `timing` objects."""
+
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k != "timing"}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+
+    out = {
+        p.parent.name: [strip(json.loads(line)) for line in p.read_text().splitlines()]
+        for p in sorted(run_dir.glob("*/metrics.jsonl"))
+    }
+    out["summary"] = strip(json.loads((run_dir / "summary.json").read_text()))
+    return out
+
+
 def flt(*args: str, timeout: float = 900, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """`flt ARGS...` from `cwd` (the repository by default), in a process of its own forked
     from a warm interpreter (tests/warm_cli.py: the command's imports are paid once per

@@ -23,8 +23,14 @@ A run passes when it either
 - exits 2 with one `error:` line (a refused scenario, named by field or file).
 Anything else (a traceback, exit 1 or 3, a timeout, an inconsistent summary) is a finding.
 
+With --kill-resume every shape that ran is run a second time and stopped (SIGKILL or
+SIGTERM, drawn) once a drawn method has recorded a drawn number of rounds, then
+`flt run --resume`d: a resume that fails, or whose records and summary differ from the
+uninterrupted run's (wall-clock fields aside), is a finding too. That doubles the time.
+
     .venv/bin/python tests/shape_sweep.py                     # 30 shapes on digits
     .venv/bin/python tests/shape_sweep.py --count 40 --seed 1 --data-root ../shared/data
+    .venv/bin/python tests/shape_sweep.py --seed 5 --kill-resume  # and resume each one
 
 Prints one line a run (seconds, exit code, verdict) and exits 1 if any run is a finding.
 --out F.json writes the shapes, the verdicts and each run's last output line; --keep DIR
@@ -38,6 +44,7 @@ import argparse
 import json
 import math
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -177,7 +184,7 @@ def summary_problems(run_dir: Path) -> list[str]:
         elif ratio is not None and abs(ratio - 1.0) > 1e-9:
             problems.append(f"{label}: bytes {ratio:.6f} x its formula")
         found, _ = clustering(m)
-        if m["method"] in CLUSTERING and found is not None and found < 1:
+        if found is not None and found < 1:  # None: a method that does not cluster
             problems.append(f"{label}: {found} clusters in the table")
     return problems
 
@@ -201,12 +208,50 @@ def run_one(scenario: Path, run_dir: Path, timeout: float) -> dict:
     return {"seconds": round(time.perf_counter() - tic, 1), "exit": code, "problems": problems, "last_line": last}
 
 
+def kill_and_resume(scenario: Path, whole: Path, run_dir: Path, r: random.Random, timeout: float) -> dict:
+    """Run the shape again, stop it with SIGKILL or SIGTERM once a drawn method has
+    recorded a drawn number of rounds, `flt run --resume` it, and compare every record and
+    the summary with the uninterrupted run in `whole` (wall-clock fields aside): a resumed
+    run must end exactly where an uninterrupted one does."""
+    from flt_command import results_without_timing  # beside this file
+
+    summary = json.loads((whole / "summary.json").read_text())["methods"]
+    method = r.choice(sorted(summary))
+    after = r.randint(1, max(summary[method].get("rounds") or 1, 1))
+    sig = r.choice([signal.SIGKILL, signal.SIGTERM])
+    argv = [sys.executable, "-m", "flt.emulator.cli", "run", str(scenario), "--out", str(run_dir)]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics, tic = run_dir / method / "metrics.jsonl", time.perf_counter()
+    while proc.poll() is None and (not metrics.exists() or len(metrics.read_text().splitlines()) < after):
+        if time.perf_counter() - tic > timeout:
+            break
+        time.sleep(0.02)
+    killed = proc.poll() is None
+    if killed:
+        proc.send_signal(sig)
+    proc.wait(timeout=60)
+    where = f"{sig.name} after {after} of {method}'s rounds" if killed else "finished before the kill"
+    argv = [sys.executable, "-m", "flt.emulator.cli", "run", "--resume", str(run_dir)]
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return {"resume": where, "resume_problems": [f"resume timed out after {timeout:.0f} s"]}
+    if res.returncode != 0:
+        return {"resume": where, "resume_problems": [f"resume exit {res.returncode}: {res.stderr.strip()[-200:]}"]}
+    want, got = results_without_timing(whole), results_without_timing(run_dir)
+    differ = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+    return {"resume": where, "resume_problems": [f"resumed {k} differs from the uninterrupted run's" for k in differ]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--count", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-root", type=Path, help="adds MNIST, Fashion-MNIST, CIFAR-10 JPEGs, FEMNIST found here")
     ap.add_argument("--timeout", type=float, default=600, help="seconds a run may take")
+    ap.add_argument(
+        "--kill-resume", action="store_true", help="also stop each finished shape's second run and resume it"
+    )
     ap.add_argument("--keep", type=Path, help="folder for the scenario files and run folders (kept)")
     ap.add_argument("--out", type=Path, help="JSON file for the shapes and verdicts")
     args = ap.parse_args()
@@ -220,8 +265,13 @@ def main() -> int:
             path = work / f"shape{i}.yaml"
             path.write_text(yaml.safe_dump(scen, sort_keys=False))
             row = {"shape": i, **run_one(path, work / f"run{i}", args.timeout)}
+            if args.kill_resume and row["exit"] == 0:
+                kill = random.Random(f"kill {args.seed} {i}")  # apart from the shape's draws
+                row.update(kill_and_resume(path, work / f"run{i}", work / f"resumed{i}", kill, args.timeout))
+                row["problems"] += row["resume_problems"]
             rows.append({**row, "scenario": scen})
             verdict = "ok" if not row["problems"] else "FINDING: " + "; ".join(row["problems"])
+            verdict += f" (resumed: {row['resume']})" if "resume" in row else ""
             print(f"shape {i:3d}  {row['seconds']:6.1f} s  exit {row['exit']}  {verdict}  | {row['last_line'][:90]}")
     findings = [r for r in rows if r["problems"]]
     print(

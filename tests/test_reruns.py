@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_resume import results_without_timing  # tests/ is on sys.path under pytest
+from flt_command import results_without_timing  # tests/ is on sys.path under pytest
 
 from flt.devices import trainer as trainer_module
 from flt.devices.seeds import client_generator

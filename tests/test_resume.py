@@ -17,7 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flt_command import QUICKSTART, fedavg_running, flt_run  # tests/ is on sys.path under pytest
+from flt_command import (  # tests/ is on sys.path under pytest
+    QUICKSTART,
+    fedavg_running,
+    flt_run,
+    results_without_timing,
+)
 from flt_command import flt as flt_cli
 
 from flt.emulator import config
@@ -206,22 +211,6 @@ methods:
   - local
   - {name: ifca, clusters: 3}
 """
-
-
-def results_without_timing(run_dir: Path) -> dict:
-    """Every metrics.jsonl line and summary.json, minus the `timing` objects."""
-
-    def strip(x):
-        if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if k != "timing"}
-        return [strip(v) for v in x] if isinstance(x, list) else x
-
-    out = {
-        p.parent.name: [strip(json.loads(line)) for line in p.read_text().splitlines()]
-        for p in sorted(run_dir.glob("*/metrics.jsonl"))
-    }
-    out["summary"] = strip(json.loads((run_dir / "summary.json").read_text()))
-    return out
 
 
 def kill_during(scenario: Path, out: Path, method: str, after_rounds: int, *sets: str) -> None:

@@ -4,8 +4,10 @@ what a finished run's summary gets wrong."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
+import pytest
 import shape_sweep  # tests/ is on sys.path under pytest
 import yaml
 
@@ -46,3 +48,23 @@ def test_the_verdict_flags_an_inconsistent_summary(tmp_path):
     problems = shape_sweep.summary_problems(tmp_path)
     assert problems == ["b: final accuracy nan", "b: bytes 1.170000 x its formula", "b: 0 clusters in the table"]
     assert shape_sweep.summary_problems(tmp_path / "nowhere") == ["no summary.json"]
+
+
+@pytest.mark.slow
+def test_a_resume_that_ends_elsewhere_than_the_uninterrupted_run_is_a_finding(tmp_path):
+    """The probe's --kill-resume on the quickstart: stopped and resumed, the run ends
+    where the uninterrupted one did, so only the record tampered with here is flagged."""
+    scen = yaml.safe_load((REPO / "scenarios" / "quickstart.yaml").read_text())
+    scen["methods"], scen["train"]["rounds"] = ["fedavg", "local"], 3
+    scenario = tmp_path / "shape.yaml"
+    scenario.write_text(yaml.safe_dump(scen))
+    whole = tmp_path / "whole"
+    assert shape_sweep.run_one(scenario, whole, 600)["problems"] == []
+    records = (whole / "local" / "metrics.jsonl").read_text().splitlines()
+    first = json.loads(records[0])
+    first["acc_mean"] += 1.0
+    (whole / "local" / "metrics.jsonl").write_text("\n".join([json.dumps(first), *records[1:]]) + "\n")
+
+    row = shape_sweep.kill_and_resume(scenario, whole, tmp_path / "again", random.Random(0), 600)
+    assert row["resume"] == "SIGKILL after 2 of local's rounds"  # Random(0)'s draw: killed mid-run
+    assert row["resume_problems"] == ["resumed local differs from the uninterrupted run's"], row

@@ -260,8 +260,7 @@ def test_relate_over_processes_is_blind_to_label_swaps_unless_centroids_are_labe
 def test_a_shifted_run_is_the_same_on_one_or_two_device_processes(tmp_path):
     """The client's noise and rotation are its own: they do not depend on which device
     hosts it or which clients share its cohort."""
-    from flt_command import QUICKSTART, flt
-    from test_resume import results_without_timing
+    from flt_command import QUICKSTART, flt, results_without_timing
 
     runs = []
     for n in (1, 2):
