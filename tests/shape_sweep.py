@@ -24,7 +24,8 @@ A run passes when it either
 Anything else (a traceback, exit 1 or 3, a timeout, an inconsistent summary) is a finding.
 
 With --kill-resume every shape that ran is run a second time and stopped (SIGKILL or
-SIGTERM, drawn) once a drawn method has recorded a drawn number of rounds, then
+SIGTERM, drawn) once a drawn method has recorded a drawn number of rounds, or at a drawn
+moment of the first run's duration (one time in three: set-up and encoders too), then
 `flt run --resume`d: a resume that fails, or whose records and summary differ from the
 uninterrupted run's (wall-clock fields aside), is a finding too. That doubles the time.
 
@@ -208,29 +209,36 @@ def run_one(scenario: Path, run_dir: Path, timeout: float) -> dict:
     return {"seconds": round(time.perf_counter() - tic, 1), "exit": code, "problems": problems, "last_line": last}
 
 
-def kill_and_resume(scenario: Path, whole: Path, run_dir: Path, r: random.Random, timeout: float) -> dict:
+def kill_and_resume(
+    scenario: Path, whole: Path, run_dir: Path, r: random.Random, timeout: float, whole_s: float = 0.0
+) -> dict:
     """Run the shape again, stop it with SIGKILL or SIGTERM once a drawn method has
-    recorded a drawn number of rounds, `flt run --resume` it, and compare every record and
-    the summary with the uninterrupted run in `whole` (wall-clock fields aside): a resumed
-    run must end exactly where an uninterrupted one does."""
+    recorded a drawn number of rounds (or, one time in three where `whole_s` is given, at a
+    drawn moment of the `whole_s` seconds the uninterrupted run took: in its set-up, an
+    encoder's training, between methods), `flt run --resume` it, and compare every record
+    and the summary with the uninterrupted run in `whole` (wall-clock fields aside): a
+    resumed run must end exactly where an uninterrupted one does."""
     from flt_command import results_without_timing  # beside this file
 
     summary = json.loads((whole / "summary.json").read_text())["methods"]
     method = r.choice(sorted(summary))
     after = r.randint(1, max(summary[method].get("rounds") or 1, 1))
     sig = r.choice([signal.SIGKILL, signal.SIGTERM])
+    by_time = r.random() < 1 / 3 and whole_s > 0
+    at_s = r.uniform(0.05, 1.0) * whole_s if by_time else None
     argv = [sys.executable, "-m", "flt.emulator.cli", "run", str(scenario), "--out", str(run_dir)]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics, tic = run_dir / method / "metrics.jsonl", time.perf_counter()
-    while proc.poll() is None and (not metrics.exists() or len(metrics.read_text().splitlines()) < after):
-        if time.perf_counter() - tic > timeout:
+    while proc.poll() is None and time.perf_counter() - tic < min(at_s if by_time else timeout, timeout):
+        if at_s is None and metrics.exists() and len(metrics.read_text().splitlines()) >= after:
             break
         time.sleep(0.02)
     killed = proc.poll() is None
     if killed:
         proc.send_signal(sig)
     proc.wait(timeout=60)
-    where = f"{sig.name} after {after} of {method}'s rounds" if killed else "finished before the kill"
+    point = f"at {at_s:.1f} s" if at_s is not None else f"after {after} of {method}'s rounds"
+    where = f"{sig.name} {point}" if killed else "finished before the kill"
     argv = [sys.executable, "-m", "flt.emulator.cli", "run", "--resume", str(run_dir)]
     try:
         res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO)
@@ -267,7 +275,9 @@ def main() -> int:
             row = {"shape": i, **run_one(path, work / f"run{i}", args.timeout)}
             if args.kill_resume and row["exit"] == 0:
                 kill = random.Random(f"kill {args.seed} {i}")  # apart from the shape's draws
-                row.update(kill_and_resume(path, work / f"run{i}", work / f"resumed{i}", kill, args.timeout))
+                row.update(
+                    kill_and_resume(path, work / f"run{i}", work / f"resumed{i}", kill, args.timeout, row["seconds"])
+                )
                 row["problems"] += row["resume_problems"]
             rows.append({**row, "scenario": scen})
             verdict = "ok" if not row["problems"] else "FINDING: " + "; ".join(row["problems"])
