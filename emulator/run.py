@@ -3,7 +3,8 @@
 Builds the partition once (saved in the run folder), starts the server socket and the
 device processes, runs every method on the same partition, initial weights and
 participation draws, and writes the results as they come: config.yaml, partition.npz,
-<method>/metrics.jsonl, summary.json, convergence.png.
+<method>/metrics.jsonl, summary.json, convergence.png, and the server's warnings in
+run.log.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from flt.emulator import processes
 from flt.emulator.config import dump, load_encoder_sources
 from flt.emulator.population import Population, Schedule, assign_profiles, schedule_from
 from flt.emulator.profiles import Profiles
+from flt.emulator.run_log import run_log
 from flt.emulator.session import Session, assign_clients, check_device_ops, check_local_accelerator, data_root
 from flt.models.flat import flatten
 from flt.models.nets import build_model
@@ -36,6 +38,8 @@ from flt.server.federation import CHECKPOINT, Federation, run_method
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context
 from flt.server.transport import Transport
+
+RUN_LOG = "run.log"  # emulator/run_log.py
 
 
 def make_run_dir(cfg: dict, out: str | None, hold: ExitStack) -> Path:
@@ -339,6 +343,7 @@ def _run_scenario(cfg: dict, out: str | None, progress: Progress, resume: bool, 
             raise ValueError("run_scenario: resume=True needs out, the run folder to continue")
         run_dir = Path(out)
         hold.enter_context(folder_lock(run_dir, "--resume"))
+        hold.enter_context(run_log(run_dir / RUN_LOG, report.command_line()))
     data = cfg["data"]
     progress(f"data: {data['dataset']}" + (f" from {data_root(data['root'])}" if data["root"] else ""))
     train, test = load_data(cfg)
@@ -359,6 +364,7 @@ def _run_scenario(cfg: dict, out: str | None, progress: Progress, resume: bool, 
         initial_weights(cfg, train)
     if not resume:
         run_dir = make_run_dir(cfg, out, hold)
+        hold.enter_context(run_log(run_dir / RUN_LOG, report.command_line()))
         partition.save(run_dir / "partition.npz")
         np.save(run_dir / "public_indices.npy", public)
         record_shift(run_dir, cfg, partition, train)

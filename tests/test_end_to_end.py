@@ -140,6 +140,10 @@ def test_a_crash_round_that_gives_the_device_no_work_crashes_it_at_its_next_task
     assert res.returncode == 0, res.stderr
     assert summary(tmp_path)["methods"]["fedavg"]["lost_clients"] == hosted(tmp_path, 20, 4)[1]
     assert "injected crash in round 3" in (tmp_path / "logs" / "dev-1.log").read_text()
+    # the server's warning about it outlives the terminal: in run.log, between its start and end
+    log = (tmp_path / "run.log").read_text().splitlines()
+    assert "INFO flt.run: started: flt run" in log[0] and log[-1].endswith("INFO flt.run: finished"), log
+    assert any("ERROR flt.server: device dev-1 lost" in line for line in log[1:-1]), log
 
 
 def test_newcomers_and_drift_go_on_after_a_device_dies(tmp_path):
@@ -264,6 +268,7 @@ def test_sigterm_stops_like_ctrl_c_and_keeps_the_rounds_done(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["methods"]["fedavg"]["rounds"] == len(metrics.read_text().splitlines()) >= 3
     assert summary["timing"]["device_exit_codes"] == {"dev-0": 0, "dev-1": 0}  # told to shut down
+    assert (tmp_path / "run.log").read_text().splitlines()[-1].endswith("INFO flt.run: stopped: terminated")
 
 
 def test_a_device_started_by_hand_joins_over_tcp(tmp_path):
