@@ -34,7 +34,8 @@ uninterrupted run's (wall-clock fields aside), is a finding too. That doubles th
     .venv/bin/python tests/shape_sweep.py --seed 5 --kill-resume  # and resume each one
 
 Prints one line a run (seconds, exit code, verdict) and exits 1 if any run is a finding.
---out F.json writes the shapes, the verdicts and each run's last output line; --keep DIR
+--out F.json writes the shapes, the verdicts, each run's last output line and the distinct
+warnings of its run.log (a count of them on the line printed); --keep DIR
 keeps the scenario files and run folders (default: a temporary folder, removed). Add a
 regression test in tests/test_*.py for every finding fixed.
 """
@@ -206,7 +207,22 @@ def run_one(scenario: Path, run_dir: Path, timeout: float) -> dict:
         problems = [] if one_line else ["exit 2 without one error line"]
     else:
         problems = [f"exit {code}" if code is not None else f"timed out after {timeout:.0f} s"]
-    return {"seconds": round(time.perf_counter() - tic, 1), "exit": code, "problems": problems, "last_line": last}
+    return {
+        "seconds": round(time.perf_counter() - tic, 1),
+        "exit": code,
+        "problems": problems,
+        "last_line": last,
+        "warnings": warnings(run_dir),
+    }
+
+
+def warnings(run_dir: Path) -> list[str]:
+    """The distinct warnings and errors in the run's run.log, without their times: not
+    findings (a shape may be odd on purpose), but what a reader of the sweep should see."""
+    path = run_dir / "run.log"
+    lines = path.read_text().splitlines() if path.exists() else []
+    said = [line.split(" ", 2)[2] for line in lines if " WARNING " in line or " ERROR " in line]
+    return list(dict.fromkeys(said))
 
 
 def kill_and_resume(
@@ -282,6 +298,7 @@ def main() -> int:
             rows.append({**row, "scenario": scen})
             verdict = "ok" if not row["problems"] else "FINDING: " + "; ".join(row["problems"])
             verdict += f" (resumed: {row['resume']})" if "resume" in row else ""
+            verdict += f" [{len(row['warnings'])} warnings in run.log]" if row["warnings"] else ""
             print(f"shape {i:3d}  {row['seconds']:6.1f} s  exit {row['exit']}  {verdict}  | {row['last_line'][:90]}")
     findings = [r for r in rows if r["problems"]]
     print(

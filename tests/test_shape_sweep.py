@@ -50,6 +50,21 @@ def test_the_verdict_flags_an_inconsistent_summary(tmp_path):
     assert shape_sweep.summary_problems(tmp_path / "nowhere") == ["no summary.json"]
 
 
+def test_the_sweep_shows_each_distinct_warning_of_a_runs_log(tmp_path):
+    (tmp_path / "run.log").write_text(
+        "2026-12-07 01:00:00,000 INFO flt.run: started: flt run s.yaml\n"
+        "2026-12-07 01:00:01,000 WARNING flt.emulator.population: a round trained nobody\n"
+        "2026-12-07 01:00:02,000 ERROR flt.server: device dev-1 lost\n"
+        "2026-12-07 01:00:03,000 WARNING flt.emulator.population: a round trained nobody\n"
+        "2026-12-07 01:00:04,000 INFO flt.run: finished\n"
+    )
+    assert shape_sweep.warnings(tmp_path) == [
+        "WARNING flt.emulator.population: a round trained nobody",
+        "ERROR flt.server: device dev-1 lost",
+    ]
+    assert shape_sweep.warnings(tmp_path / "nowhere") == []
+
+
 @pytest.mark.slow
 def test_a_resume_that_ends_elsewhere_than_the_uninterrupted_run_is_a_finding(tmp_path):
     """The probe's --kill-resume on the quickstart: stopped and resumed, the run ends
