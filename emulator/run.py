@@ -343,7 +343,7 @@ def _run_scenario(cfg: dict, out: str | None, progress: Progress, resume: bool, 
             raise ValueError("run_scenario: resume=True needs out, the run folder to continue")
         run_dir = Path(out)
         hold.enter_context(folder_lock(run_dir, "--resume"))
-        hold.enter_context(run_log(run_dir / RUN_LOG, report.command_line()))
+        progress = hold.enter_context(run_log(run_dir / RUN_LOG, report.command_line(), progress))
     data = cfg["data"]
     progress(f"data: {data['dataset']}" + (f" from {data_root(data['root'])}" if data["root"] else ""))
     train, test = load_data(cfg)
@@ -364,7 +364,7 @@ def _run_scenario(cfg: dict, out: str | None, progress: Progress, resume: bool, 
         initial_weights(cfg, train)
     if not resume:
         run_dir = make_run_dir(cfg, out, hold)
-        hold.enter_context(run_log(run_dir / RUN_LOG, report.command_line()))
+        progress = hold.enter_context(run_log(run_dir / RUN_LOG, report.command_line(), progress))
         partition.save(run_dir / "partition.npz")
         np.save(run_dir / "public_indices.npy", public)
         record_shift(run_dir, cfg, partition, train)

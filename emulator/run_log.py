@@ -3,41 +3,58 @@
 The terminal shows warnings as they come, and a long run's warnings (a device lost,
 replies rejected, a deadline that kept nobody) scroll away or leave with the terminal.
 `run.log` keeps every warning and error of the emulator's loggers, timestamped, beside the
-results, with a line for how the run (and each resume of it) started and ended. A run
-killed outright (SIGKILL) leaves a `started` line with no end after it.
+results, with the run's permanent progress lines (method headers, the thinned round
+lines, the table; never the bars) and a line for how the run (and each resume of it)
+started and ended. A run killed outright (SIGKILL) leaves a `started` line with no end.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 from flt.common.errors import FltError
+from flt.reports.terminal import Display, Progress
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 @contextmanager
-def run_log(path: Path, command: str) -> Iterator[None]:
-    """Append the `flt` loggers' warnings and errors to `path` while the body runs."""
+def run_log(path: Path, command: str, progress: Progress) -> Iterator[Progress]:
+    """Append the `flt` loggers' warnings and errors to `path` while the body runs, and
+    the permanent lines of `progress` (not its bars): yields the progress to use."""
     handler = logging.FileHandler(path, encoding="utf-8")  # appends: a resume goes on below
     handler.setLevel(logging.WARNING)
     handler.setFormatter(logging.Formatter(FORMAT))
     logger = logging.getLogger("flt")
     logger.addHandler(handler)
+    keep = partial(_line, handler)
     _line(handler, f"started: {command}")
+    if isinstance(progress, Display):
+        progress.copies.append(keep)
     try:
-        yield
+        yield progress if isinstance(progress, Display) else _both(progress, keep)
     except BaseException as exc:
         _line(handler, f"stopped: {ending(exc)}")
         raise
     else:
         _line(handler, "finished")
     finally:
+        if isinstance(progress, Display):
+            progress.copies.remove(keep)
         logger.removeHandler(handler)
         handler.close()
+
+
+def _both(progress: Progress, keep: Callable[[str], None]) -> Progress:
+    def both(text: str) -> None:
+        progress(text)
+        keep(text)
+
+    return both
 
 
 def ending(exc: BaseException) -> str:
@@ -52,6 +69,8 @@ def ending(exc: BaseException) -> str:
 
 
 def _line(handler: logging.Handler, text: str) -> None:
-    """A line of the log's own, whatever the handler's level."""
-    record = {"name": "flt.run", "levelname": "INFO", "levelno": logging.INFO, "msg": text}
+    """A line of the run's own (its progress, its start and end), whatever the handler's
+    level; a table starts on a line of its own, so that its columns line up."""
+    msg = "\n" + text if "\n" in text else text
+    record = {"name": "flt.run", "levelname": "INFO", "levelno": logging.INFO, "msg": msg}
     handler.handle(logging.makeLogRecord(record))

@@ -63,11 +63,14 @@ class Display:
         self.tty = self.stream.isatty() if tty is None else tty
         self.status = ""  # the bar now on screen ("" = none)
         self._clock: dict[str, tuple[int, float]] = {}  # unit -> (first step, its start)
+        self.copies: list[Callable[[str], object]] = []  # also given every permanent line (a run's log)
 
     def __call__(self, text: object) -> None:
         self._erase()
         self.stream.write(f"{text}\n")
         self._draw(self.status)
+        for copy in self.copies:
+            copy(str(text))
 
     def step(
         self, i: int, n: int, line: str, unit: str = "step", every: int | None = None, force: bool = False
