@@ -298,7 +298,8 @@ def main() -> int:
             rows.append({**row, "scenario": scen})
             verdict = "ok" if not row["problems"] else "FINDING: " + "; ".join(row["problems"])
             verdict += f" (resumed: {row['resume']})" if "resume" in row else ""
-            verdict += f" [{len(row['warnings'])} warnings in run.log]" if row["warnings"] else ""
+            said = len(row["warnings"])
+            verdict += f" [{said} warning{'s' * (said > 1)} in run.log]" if said else ""
             print(f"shape {i:3d}  {row['seconds']:6.1f} s  exit {row['exit']}  {verdict}  | {row['last_line'][:90]}")
     findings = [r for r in rows if r["problems"]]
     print(
