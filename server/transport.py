@@ -161,6 +161,7 @@ class Transport:
         # the batch, clients and devices of a gather that an interrupt (Ctrl-C, SIGTERM) cut
         # short: their replies still come, expected, while the run closes
         self._owed: tuple[int, set[int], dict[int, str]] | None = None
+        self._joining = False  # in `wait_devices`, or an interrupt ended it: devices may still say hello
 
     # -- raw send / receive -----------------------------------------------------------
     def send(self, device: str, msg: Message) -> None:
@@ -281,11 +282,14 @@ class Transport:
     def wait_devices(self, n: int, timeout_s: float) -> list[str]:
         """Block until n devices said hello; raise naming how many came."""
         deadline = time.monotonic() + timeout_s
+        self._joining = True  # stays only if an interrupt ends the wait: `drain` expects the rest's hellos
         while len(self.devices) < n:
             got = self.recv(max(0.0, deadline - time.monotonic()))
             if got is None:
+                self._joining = False
                 raise DeviceError(f"only {len(self.devices)} of {n} devices connected within {timeout_s:g} s")
             self._hello(*got)
+        self._joining = False
         return list(self.devices)
 
     def _hello(self, ident: str, msg: Message) -> None:
@@ -433,12 +437,14 @@ class Transport:
         """Read what is still queued when the run ends, so that every message that arrived
         is counted (no task waits for any of it), for at most `max_s`: a flood cannot
         hold the run open. The replies that an interrupted gather was owed, each from the
-        device its task went to, are expected: counted apart and logged in one line."""
+        device its task went to, and the hellos of devices still starting when an interrupt
+        ended the wait for them, are expected: counted apart and logged in one line."""
         batch, owed, dest = self._owed or (None, set(), {})
         late, end = 0, time.monotonic() + max_s
         while (got := self._next(min(end, time.monotonic() + quiet_s))) is not None:
             ident, msg, size = got
-            if msg.meta.get("batch") == batch and msg.client in owed and dest[msg.client] == ident:
+            replied = msg.meta.get("batch") == batch and msg.client in owed and dest[msg.client] == ident
+            if replied or (msg.kind == "hello" and self._joining and ident not in self.devices):
                 owed.discard(msg.client)  # one reply each: a second one is stale
                 self.reject("after the interrupt", ident, size, "", quiet=True)
                 late += 1
@@ -450,7 +456,7 @@ class Transport:
                 f"{msg.kind} for client {msg.client} after the last task",
             )
         if late:
-            log.info("%d replies to the interrupted round's tasks came after it stopped: not used", late)
+            log.info("%d replies to the interrupted round's tasks or wait for devices came after it stopped", late)
 
     def _cpu_marks(self, devices: set[str]) -> dict[str, float]:
         """Each device's CPU seconds now, where they can be read (processes on this machine)."""

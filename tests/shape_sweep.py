@@ -27,7 +27,8 @@ With --kill-resume every shape that ran is run a second time and stopped (SIGKIL
 SIGTERM, drawn) once a drawn method has recorded a drawn number of rounds, or at a drawn
 moment of the first run's duration (one time in three: set-up and encoders too), then
 `flt run --resume`d: a resume that fails, or whose records and summary differ from the
-uninterrupted run's (wall-clock fields aside), is a finding too. That doubles the time.
+uninterrupted run's (wall-clock fields aside), is a finding too; one stopped before its run
+folder was made must be refused with one line. That doubles the time.
 
     .venv/bin/python tests/shape_sweep.py                     # 30 shapes on digits
     .venv/bin/python tests/shape_sweep.py --count 40 --seed 1 --data-root ../shared/data
@@ -260,6 +261,11 @@ def kill_and_resume(
         res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     except subprocess.TimeoutExpired:
         return {"resume": where, "resume_problems": [f"resume timed out after {timeout:.0f} s"]}
+    made = ("config.yaml", "partition.npz", "public_indices.npy")  # what `flt run --resume` starts from
+    if not all((run_dir / name).exists() for name in made):  # stopped before its folder was made
+        refused = res.returncode == 2 and "not a run folder that can be resumed" in res.stderr
+        problem = [] if refused else [f"resume of a folder-less run: exit {res.returncode}, {res.stderr[-200:]}"]
+        return {"resume": where + ", before its run folder", "resume_problems": problem}
     if res.returncode != 0:
         return {"resume": where, "resume_problems": [f"resume exit {res.returncode}: {res.stderr.strip()[-200:]}"]}
     want, got = results_without_timing(whole), results_without_timing(run_dir)

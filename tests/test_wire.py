@@ -282,6 +282,41 @@ def test_gather_rejects_stale_mid_run_hello_and_checked_replies_and_keeps_the_go
         server.sock.close(linger=0)
 
 
+def test_hellos_of_devices_still_starting_when_an_interrupt_ends_the_wait_are_expected(caplog):
+    """Ctrl-C while the device processes start: those that say hello after the wait
+    stopped are the run's own, so they are counted apart, not warned of as hellos mid-run
+    (an interrupted run's summary listed them as rejected). A second hello of a device
+    that had joined still is a stray one."""
+    server = Transport()
+    first = _dealer(server.endpoint, "dev-0")
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)  # while dev-1 has not said hello yet
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            server.wait_devices(2, timeout_s=10)
+        assert list(server.devices) == ["dev-0"]
+        late = _dealer(server.endpoint, "dev-1")  # the slow one's hello, now the run closes
+        first.send_multipart(encode(Message("hello", meta={"name": "dev-0"})))
+        time.sleep(0.3)
+        with caplog.at_level("INFO", logger="flt.server"):
+            server.drain()
+        reasons = {r: v["messages"] for r, v in server.rejections.summary()["rejected_reasons"].items()}
+        assert reasons == {"after the interrupt": 1, "hello mid-run": 1}
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warned) == 1 and "dev-0" in warned[0]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        first.close()
+        if "late" in locals():
+            late.close()
+        server.close()
+
+
 def test_replies_owed_to_an_interrupted_gather_are_expected_not_warned(caplog):
     """Ctrl-C or SIGTERM stops a gather while devices still train: their replies to its
     tasks come while the run closes. They are counted apart, in one line, not as a peer's
