@@ -345,7 +345,8 @@ def _run_scenario(cfg: dict, out: str | None, progress: Progress, resume: bool, 
         hold.enter_context(folder_lock(run_dir, "--resume"))
         progress = hold.enter_context(run_log(run_dir / RUN_LOG, report.command_line(), progress))
     data = cfg["data"]
-    progress(f"data: {data['dataset']}" + (f" from {data_root(data['root'])}" if data["root"] else ""))
+    said = f"data: {data['dataset']}" + (f" from {data_root(data['root'])}" if data["root"] else "")
+    progress(said)
     train, test = load_data(cfg)
     if resume:
         public = load_public(run_dir / "public_indices.npy")
@@ -364,7 +365,7 @@ def _run_scenario(cfg: dict, out: str | None, progress: Progress, resume: bool, 
         initial_weights(cfg, train)
     if not resume:
         run_dir = make_run_dir(cfg, out, hold)
-        progress = hold.enter_context(run_log(run_dir / RUN_LOG, report.command_line(), progress))
+        progress = hold.enter_context(run_log(run_dir / RUN_LOG, report.command_line(), progress, said))
         partition.save(run_dir / "partition.npz")
         np.save(run_dir / "public_indices.npy", public)
         record_shift(run_dir, cfg, partition, train)

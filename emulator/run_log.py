@@ -6,6 +6,7 @@ replies rejected, a deadline that kept nobody) scroll away or leave with the ter
 results, with the run's permanent progress lines (method headers, the thinned round
 lines, the table; never the bars) and a line for how the run (and each resume of it)
 started and ended. A run killed outright (SIGKILL) leaves a `started` line with no end.
+The data line a fresh run shows before its folder exists follows the `started` line.
 """
 
 from __future__ import annotations
@@ -17,22 +18,25 @@ from functools import partial
 from pathlib import Path
 
 from flt.common.errors import FltError
+from flt.common.interrupts import Terminated
 from flt.reports.terminal import Display, Progress
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 @contextmanager
-def run_log(path: Path, command: str, progress: Progress) -> Iterator[Progress]:
+def run_log(path: Path, command: str, progress: Progress, *said: str) -> Iterator[Progress]:
     """Append the `flt` loggers' warnings and errors to `path` while the body runs, and
-    the permanent lines of `progress` (not its bars): yields the progress to use."""
+    the permanent lines of `progress` (not its bars): yields the progress to use. `said`:
+    lines the run showed before its folder existed, kept after the `started:` line."""
     handler = logging.FileHandler(path, encoding="utf-8")  # appends: a resume goes on below
     handler.setLevel(logging.WARNING)
     handler.setFormatter(logging.Formatter(FORMAT))
     logger = logging.getLogger("flt")
     logger.addHandler(handler)
     keep = partial(_line, handler)
-    _line(handler, f"started: {command}")
+    for text in (f"started: {command}", *said):
+        _line(handler, text)
     if isinstance(progress, Display):
         progress.copies.append(keep)
     try:
@@ -60,8 +64,6 @@ def _both(progress: Progress, keep: Callable[[str], None]) -> Progress:
 def ending(exc: BaseException) -> str:
     """How a run that raised `exc` ended, in the words the terminal uses."""
     if isinstance(exc, KeyboardInterrupt):
-        from flt.common.interrupts import Terminated
-
         return "terminated" if isinstance(exc, Terminated) else "interrupted"
     if isinstance(exc, FltError):
         return f"error: {exc}"

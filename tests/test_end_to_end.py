@@ -143,6 +143,7 @@ def test_a_crash_round_that_gives_the_device_no_work_crashes_it_at_its_next_task
     # the server's warning about it outlives the terminal: in run.log, between its start and end
     log = (tmp_path / "run.log").read_text().splitlines()
     assert "INFO flt.run: started: flt run" in log[0] and log[-1].endswith("INFO flt.run: finished"), log
+    assert log[1].endswith("INFO flt.run: data: digits"), log  # shown before the folder existed
     assert any("ERROR flt.server: device dev-1 lost" in line for line in log[1:-1]), log
 
 

@@ -20,7 +20,7 @@ def _lines(path):
 def test_warnings_progress_and_the_end_of_each_run_are_appended_and_nothing_after(tmp_path):
     path, shown = tmp_path / "run.log", []
     log = logging.getLogger("flt.server")
-    with run_log(path, "flt run s.yaml", shown.append) as progress:
+    with run_log(path, "flt run s.yaml", shown.append, "data: digits") as progress:
         progress("== fedavg ==")
         log.warning("device %s lost", "dev-1")
         log.info("not kept: below warning")
@@ -28,9 +28,10 @@ def test_warnings_progress_and_the_end_of_each_run_are_appended_and_nothing_afte
         raise FltError("data.root: no MNIST files in /nowhere")
     log.warning("after the run: not in its log")
 
-    assert shown == ["== fedavg =="]  # the terminal still gets its line
+    assert shown == ["== fedavg =="]  # the terminal still gets its line, and only once
     assert _lines(path) == [
         "INFO flt.run: started: flt run s.yaml",
+        "INFO flt.run: data: digits",  # shown before the folder existed: the log's first line after it
         "INFO flt.run: == fedavg ==",
         "WARNING flt.server: device dev-1 lost",
         "INFO flt.run: finished",
