@@ -356,6 +356,9 @@ class Transport:
         for cid in tasks:
             by_device[dest[cid]].append(cid)
         waiting: set[int] = set()
+        # owed from the first send on, not only once the wait starts: a checkpoint's gather
+        # follows the round's record at once, so an interrupt timed by that record falls here
+        self._owed = (batch, waiting, dest)  # stays only if an interrupt ends the gather
         for device, cids in by_device.items():
             if device in self.lost_devices:
                 continue
@@ -376,7 +379,6 @@ class Transport:
         start = time.monotonic()
         deadline = start + timeout_s
         marks = None if strict or timeout_s < MIN_JUDGED_S else self._cpu_marks({dest[c] for c in waiting})
-        self._owed = (batch, waiting, dest)  # stays only if an interrupt ends the loop
         while waiting:
             got = self._next(min(time.monotonic() + 0.5, deadline))
             if got is None:

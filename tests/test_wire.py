@@ -282,6 +282,37 @@ def test_gather_rejects_stale_mid_run_hello_and_checked_replies_and_keeps_the_go
         server.sock.close(linger=0)
 
 
+def test_replies_to_a_gather_interrupted_before_its_wait_are_expected_too(caplog):
+    """An interrupt timed by a round's record (a scheduler, the sweep's kills) meets the
+    checkpoint's gather just after its tasks went out, before the wait: the replies to
+    them were warned of as stale messages of a peer. The signal is raised here where it
+    fell, in the reading of the devices' CPU time between the sends and the wait."""
+    server = Transport()
+    stop = threading.Event()
+    answer = lambda task: [Message("metrics", 0, task.client, meta={"batch": task.meta["batch"]})]  # noqa: E731
+
+    def interrupt(name):
+        raise KeyboardInterrupt
+
+    thread = threading.Thread(target=_serve, args=(server.endpoint, "dev-a", answer, stop))
+    thread.start()
+    try:
+        server.wait_devices(1, timeout_s=10)
+        server.client_device.update(dict.fromkeys(range(3), "dev-a"))
+        server.cpu_seconds = interrupt
+        with pytest.raises(KeyboardInterrupt):
+            server.gather({c: Message("evaluate", 0, c) for c in range(3)}, "metrics", 10)
+        time.sleep(0.3)  # the three answer after the interrupt
+        with caplog.at_level("INFO", logger="flt.server"):
+            server.drain()
+        reasons = {r: v["messages"] for r, v in server.rejections.summary()["rejected_reasons"].items()}
+        assert reasons == {"after the interrupt": 3}
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    finally:
+        stop.set()
+        thread.join()
+
+
 def test_hellos_of_devices_still_starting_when_an_interrupt_ends_the_wait_are_expected(caplog):
     """Ctrl-C while the device processes start: those that say hello after the wait
     stopped are the run's own, so they are counted apart, not warned of as hellos mid-run
