@@ -244,6 +244,30 @@ def _serve(endpoint: str, name: str, answer, stop: threading.Event):
     s.close()
 
 
+@contextlib.contextmanager
+def _serving(server: Transport, answer, clients: range):
+    """A device thread, dev-a, hosting `clients` and answering each task with
+    answer(task), while the body runs."""
+    stop = threading.Event()
+    thread = threading.Thread(target=_serve, args=(server.endpoint, "dev-a", answer, stop))
+    thread.start()
+    try:
+        server.wait_devices(1, timeout_s=10)
+        server.client_device.update(dict.fromkeys(clients, "dev-a"))
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _drained(server: Transport, caplog) -> tuple[dict[str, int], list[str]]:
+    """What `drain` rejected, by reason, and the warnings it logged."""
+    with caplog.at_level("INFO", logger="flt.server"):
+        server.drain()
+    reasons = {r: v["messages"] for r, v in server.rejections.summary()["rejected_reasons"].items()}
+    return reasons, [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
 def test_gather_rejects_stale_mid_run_hello_and_checked_replies_and_keeps_the_good_ones():
     server = Transport()
     stop = threading.Event()
@@ -288,29 +312,17 @@ def test_replies_to_a_gather_interrupted_before_its_wait_are_expected_too(caplog
     them were warned of as stale messages of a peer. The signal is raised here where it
     fell, in the reading of the devices' CPU time between the sends and the wait."""
     server = Transport()
-    stop = threading.Event()
     answer = lambda task: [Message("metrics", 0, task.client, meta={"batch": task.meta["batch"]})]  # noqa: E731
 
     def interrupt(name):
         raise KeyboardInterrupt
 
-    thread = threading.Thread(target=_serve, args=(server.endpoint, "dev-a", answer, stop))
-    thread.start()
-    try:
-        server.wait_devices(1, timeout_s=10)
-        server.client_device.update(dict.fromkeys(range(3), "dev-a"))
+    with _serving(server, answer, range(3)):
         server.cpu_seconds = interrupt
         with pytest.raises(KeyboardInterrupt):
             server.gather({c: Message("evaluate", 0, c) for c in range(3)}, "metrics", 10)
         time.sleep(0.3)  # the three answer after the interrupt
-        with caplog.at_level("INFO", logger="flt.server"):
-            server.drain()
-        reasons = {r: v["messages"] for r, v in server.rejections.summary()["rejected_reasons"].items()}
-        assert reasons == {"after the interrupt": 3}
-        assert not [r for r in caplog.records if r.levelname == "WARNING"]
-    finally:
-        stop.set()
-        thread.join()
+        assert _drained(server, caplog) == ({"after the interrupt": 3}, [])
 
 
 def test_hellos_of_devices_still_starting_when_an_interrupt_ends_the_wait_are_expected(caplog):
@@ -333,11 +345,8 @@ def test_hellos_of_devices_still_starting_when_an_interrupt_ends_the_wait_are_ex
         late = _dealer(server.endpoint, "dev-1")  # the slow one's hello, now the run closes
         first.send_multipart(encode(Message("hello", meta={"name": "dev-0"})))
         time.sleep(0.3)
-        with caplog.at_level("INFO", logger="flt.server"):
-            server.drain()
-        reasons = {r: v["messages"] for r, v in server.rejections.summary()["rejected_reasons"].items()}
+        reasons, warned = _drained(server, caplog)
         assert reasons == {"after the interrupt": 1, "hello mid-run": 1}
-        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert len(warned) == 1 and "dev-0" in warned[0]
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
@@ -353,7 +362,6 @@ def test_replies_owed_to_an_interrupted_gather_are_expected_not_warned(caplog):
     tasks come while the run closes. They are counted apart, in one line, not as a peer's
     stale messages; a second reply for the same client, or another batch's, still is one."""
     server = Transport()
-    stop = threading.Event()
 
     def answer(task):
         batch = task.meta["batch"]
@@ -365,25 +373,17 @@ def test_replies_owed_to_an_interrupted_gather_are_expected_not_warned(caplog):
     def interrupt(client, msg):
         raise KeyboardInterrupt
 
-    thread = threading.Thread(target=_serve, args=(server.endpoint, "dev-a", answer, stop))
-    thread.start()
     try:
-        server.wait_devices(1, timeout_s=10)
-        server.client_device.update(dict.fromkeys(range(4), "dev-a"))
-        with pytest.raises(KeyboardInterrupt):
-            server.gather({c: Message("evaluate", 0, c) for c in range(4)}, "metrics", 10, on_reply=interrupt)
-        time.sleep(0.3)  # the three other clients answer after the interrupt
-        with caplog.at_level("INFO", logger="flt.server"):
-            server.drain()
-        reasons = {r: v["messages"] for r, v in server.rejections.summary()["rejected_reasons"].items()}
-        assert reasons == {"after the interrupt": 3, "stale": 2}
-        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-        assert len(warned) == 2 and all("client 3" in w for w in warned)
-        assert any("3 replies to the interrupted round" in r.getMessage() for r in caplog.records)
-        assert server.ledger.totals()["up"]["evaluation"]["messages"] == 1  # only the reply before the interrupt
+        with _serving(server, answer, range(4)):
+            with pytest.raises(KeyboardInterrupt):
+                server.gather({c: Message("evaluate", 0, c) for c in range(4)}, "metrics", 10, on_reply=interrupt)
+            time.sleep(0.3)  # the three other clients answer after the interrupt
+            reasons, warned = _drained(server, caplog)
+            assert reasons == {"after the interrupt": 3, "stale": 2}
+            assert len(warned) == 2 and all("client 3" in w for w in warned)
+            assert any("3 replies to the interrupted round" in r.getMessage() for r in caplog.records)
+            assert server.ledger.totals()["up"]["evaluation"]["messages"] == 1  # only the reply before the interrupt
     finally:
-        stop.set()
-        thread.join()
         server.sock.close(linger=0)
 
 
