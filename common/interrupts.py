@@ -28,6 +28,11 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM: the run stops as on Ctrl-C (devices told to shut down, results kept)."""
 
 
+def stopped(stop: KeyboardInterrupt) -> str:
+    """How a stop is named on the terminal and in run.log."""
+    return "terminated" if isinstance(stop, Terminated) else "interrupted"
+
+
 def _raise_terminated(_signum: int, _frame: object) -> None:
     raise Terminated()
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from flt.common.errors import DeviceError, FltError, short
 from flt.common.heap import limit_heap_retention
+from flt.common.interrupts import stopped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,12 +251,6 @@ def _resume(args) -> None:
             raise ConfigError(f"{run_dir}: no {name}; not a run folder that can be resumed")
     saved = config.load(str(run_dir / "config.yaml"), [], saved=True)
     run_scenario(saved, str(run_dir), resume=True, progress=active())
-
-
-def stopped(stop: KeyboardInterrupt) -> str:
-    from flt.common.interrupts import Terminated
-
-    return "terminated" if isinstance(stop, Terminated) else "interrupted"
 
 
 def exit_code(stop: KeyboardInterrupt) -> int:

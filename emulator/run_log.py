@@ -18,7 +18,7 @@ from functools import partial
 from pathlib import Path
 
 from flt.common.errors import FltError
-from flt.common.interrupts import Terminated
+from flt.common.interrupts import stopped
 from flt.reports.terminal import Display, Progress
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -64,7 +64,7 @@ def _both(progress: Progress, keep: Callable[[str], None]) -> Progress:
 def ending(exc: BaseException) -> str:
     """How a run that raised `exc` ended, in the words the terminal uses."""
     if isinstance(exc, KeyboardInterrupt):
-        return "terminated" if isinstance(exc, Terminated) else "interrupted"
+        return stopped(exc)
     if isinstance(exc, FltError):
         return f"error: {exc}"
     return f"{type(exc).__name__}: {exc}"
