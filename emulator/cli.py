@@ -229,8 +229,17 @@ def _run(args) -> int:
         return guarded(action)
     except KeyboardInterrupt as stop:
         terminal.done()
-        print(f"{stopped(stop)}: results so far are in the run folder", file=sys.stderr)
+        print(stop_line(stop), file=sys.stderr)
         return exit_code(stop)
+
+
+def stop_line(stop: KeyboardInterrupt) -> str:
+    """Where a stopped run's results are, and how to continue it; or that it stopped before
+    its folder could be resumed (the data was loading, nothing was computed)."""
+    run_dir = getattr(stop, "run_dir", None)
+    if run_dir is None:
+        return f"{stopped(stop)} before the run folder was ready: nothing to resume; run the command again"
+    return f"{stopped(stop)}: results so far are in {run_dir}; `flt run --resume {run_dir}` continues the run"
 
 
 def _resume(args) -> None:

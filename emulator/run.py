@@ -332,11 +332,19 @@ def run_scenario(cfg: dict, out: str | None = None, progress: Progress = print, 
     `out`: finished methods are kept, the interrupted one continues after its last
     checkpointed round, on the folder's own partition. The folder stays locked until the
     run ends (common/files.py folder_lock)."""
+    ready: list[Path] = [Path(out)] if resume and out else []  # a folder `--resume` can continue
     with ExitStack() as hold:
-        return _run_scenario(cfg, out, progress, resume, hold)
+        try:
+            return _run_scenario(cfg, out, progress, resume, hold, ready)
+        except KeyboardInterrupt as stop:
+            # the command names the folder, or says there is none to resume
+            stop.run_dir = ready[0] if ready else None  # type: ignore[attr-defined]
+            raise
 
 
-def _run_scenario(cfg: dict, out: str | None, progress: Progress, resume: bool, hold: ExitStack) -> Path:
+def _run_scenario(
+    cfg: dict, out: str | None, progress: Progress, resume: bool, hold: ExitStack, ready: list[Path]
+) -> Path:
     processes.prepare_zygote(cfg["devices"])  # devices need it soon: start it before the data loads
     if resume:  # after the zygote, which must not inherit the lock; before the data: refused at once
         if out is None:
@@ -369,6 +377,7 @@ def _run_scenario(cfg: dict, out: str | None, progress: Progress, resume: bool, 
         partition.save(run_dir / "partition.npz")
         np.save(run_dir / "public_indices.npy", public)
         record_shift(run_dir, cfg, partition, train)
+        ready.append(run_dir)
     progress(f"run folder: {run_dir}")
     for note in partition.notes:
         progress(f"partition: {note}")

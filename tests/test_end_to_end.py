@@ -265,11 +265,31 @@ def test_sigterm_stops_like_ctrl_c_and_keeps_the_rounds_done(tmp_path):
     import signal
 
     proc, err, metrics = stop_after_three_rounds(tmp_path, signal.SIGTERM)
-    assert proc.returncode == 143 and "terminated: results so far are in the run folder" in err, err
+    assert proc.returncode == 143, err
+    assert f"terminated: results so far are in {tmp_path}; `flt run --resume {tmp_path}` continues" in err
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["methods"]["fedavg"]["rounds"] == len(metrics.read_text().splitlines()) >= 3
     assert summary["timing"]["device_exit_codes"] == {"dev-0": 0, "dev-1": 0}  # told to shut down
     assert (tmp_path / "run.log").read_text().splitlines()[-1].endswith("INFO flt.run: stopped: terminated")
+
+
+def test_a_run_stopped_while_its_data_loads_says_there_is_nothing_to_resume(tmp_path):
+    """A stop before the run folder is ready (here: SIGTERM while the data loads) claimed
+    that "results so far are in the run folder", though there was none to resume."""
+    import sys
+
+    out = tmp_path / "run"
+    stop_in_load = (
+        "import os, signal, sys\n"
+        "import flt.emulator.run as run\n"
+        "run.load_data = lambda cfg: os.kill(os.getpid(), signal.SIGTERM)\n"
+        "from flt.emulator.cli import main\n"
+        f"sys.exit(main(['run', {str(QUICKSTART)!r}, '--out', {str(out)!r}]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", stop_in_load], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 143, proc.stderr
+    assert "terminated before the run folder was ready: nothing to resume" in proc.stderr
+    assert "results so far" not in proc.stderr and not out.exists()
 
 
 def test_a_device_started_by_hand_joins_over_tcp(tmp_path):
