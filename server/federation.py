@@ -402,7 +402,9 @@ def run_method(
         (out_dir / "metrics.jsonl").write_text("")
         pacer.save(save_checkpoint, out_dir, 0, setup_s, strategy, fed, population)
     with open(out_dir / "metrics.jsonl", "a") as sink:
-        summarized = len(history)  # records on_round has seen: a kill can fall between the two
+        # records on_round has seen: a kill can fall between the two. 0 on a resume too: the
+        # resumed summary keeps only the methods that finished (reports/summary.py)
+        summarized = 0
         try:
             for rnd in range(done + 1, rounds + 1):
                 transport.require_hosts(rnd - 1)
@@ -458,6 +460,8 @@ def run_method(
                 # re-clustering always get their line
                 step(progress, rnd, rounds, _line(record, rounds), "round", force=bool(events))
                 _print_notes(progress, strategy)  # a re-clustering's clusters
+            if on_round and summarized < len(history):  # killed after the last round's checkpoint, before on_round
+                on_round(history)
         except KeyboardInterrupt:
             # the last record is on disk; let the summary say so too (not after the last
             # round: there the summary's count marks the method finished, and its last

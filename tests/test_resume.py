@@ -356,6 +356,22 @@ def test_a_method_that_cannot_resume_says_what_to_delete_and_then_runs_again(fin
     assert results_without_timing(copy)["fedavg"] == results_without_timing(finished_run)["fedavg"]
 
 
+def test_a_method_stopped_between_its_last_checkpoint_and_its_summary_is_kept_on_resume(finished_run, tmp_path):
+    """Stopped after the last round's checkpoint and before the summary counted that round
+    (found by tests/shape_sweep.py, seed 8: SIGTERM after IFCA's third of three rounds):
+    the resume ran no round, so the method's summary entry was never written and the
+    method was missing from summary.json and the table."""
+    copy = tmp_path / "copy"
+    shutil.copytree(finished_run, copy)
+    summary = json.loads((copy / "summary.json").read_text())
+    summary["methods"]["fedavg"]["rounds"] = 2  # as on disk then: the entry of round 2
+    (copy / "summary.json").write_text(json.dumps(summary))
+    res = flt_cli("run", "--resume", str(copy))
+    assert res.returncode == 0, res.stderr
+    assert "== fedavg == (resumed)" in res.stdout and "fedavg " in res.stdout.splitlines()[-1]
+    assert results_without_timing(copy) == results_without_timing(finished_run)
+
+
 def test_a_new_run_into_a_folder_holding_another_runs_results_is_refused(finished_run, tmp_path):
     """`flt run --out` into a finished run's folder wrote its config and summary over the
     old ones and mixed the old method folders with the new run's."""
