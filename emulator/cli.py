@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import signal
 import sys
 from collections.abc import Callable
 
@@ -113,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
 
     fork_here()
     stop_on_sigterm()  # after the fork: device processes keep the default
-    if args.cmd == "suite":
-        return _suite(args)
-    return _run(args)
+    try:
+        return _suite(args) if args.cmd == "suite" else _run(args)
+    finally:  # done: a SIGTERM while the process exits ends it, not a traceback in an atexit handler
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _device(args) -> int:
@@ -213,12 +215,12 @@ def _run(args) -> int:
 
     report.COMMAND = args.argv
     terminal = Display().install()  # bars for rounds and pretraining on a terminal
+    action: Callable[[], object]  # a run folder's Path, or None
     if args.cmd == "relate":
         from flt.emulator.relate import relate_scenario
 
-        return guarded(lambda: relate_scenario(args.cfg, args.out, args.method, umap=not args.no_umap))
-    action: Callable[[], object]  # a run folder's Path, or None
-    if args.cmd == "run" and args.resume:
+        action = lambda: relate_scenario(args.cfg, args.out, args.method, umap=not args.no_umap)  # noqa: E731
+    elif args.cmd == "run" and args.resume:
         action = lambda: _resume(args)  # noqa: E731
     elif args.scenario is None:
         print("error: a scenario file, or --resume RUN_DIR, is needed", file=sys.stderr)
@@ -229,7 +231,8 @@ def _run(args) -> int:
         return guarded(action)
     except KeyboardInterrupt as stop:
         terminal.done()
-        print(stop_line(stop), file=sys.stderr)
+        said = f"{stopped(stop)}: `flt relate` has nothing to resume; run it again" if args.cmd == "relate" else None
+        print(said or stop_line(stop), file=sys.stderr)
         return exit_code(stop)
 
 

@@ -273,23 +273,59 @@ def test_sigterm_stops_like_ctrl_c_and_keeps_the_rounds_done(tmp_path):
     assert (tmp_path / "run.log").read_text().splitlines()[-1].endswith("INFO flt.run: stopped: terminated")
 
 
+def flt_sigterm_in(module: str, function: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """`flt ARGV` in a fresh process that sends itself SIGTERM when `module.function` is
+    called (instead of calling it): a stop at a chosen point of a real command."""
+    import sys
+
+    script = (
+        "import os, signal, sys, importlib\n"
+        f"setattr(importlib.import_module({module!r}), {function!r}, "
+        "lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))\n"
+        "from flt.emulator.cli import main\n"
+        f"sys.exit(main({argv!r}))\n"
+    )
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
 def test_a_run_stopped_while_its_data_loads_says_there_is_nothing_to_resume(tmp_path):
     """A stop before the run folder is ready (here: SIGTERM while the data loads) claimed
     that "results so far are in the run folder", though there was none to resume."""
-    import sys
-
     out = tmp_path / "run"
-    stop_in_load = (
-        "import os, signal, sys\n"
-        "import flt.emulator.run as run\n"
-        "run.load_data = lambda cfg: os.kill(os.getpid(), signal.SIGTERM)\n"
-        "from flt.emulator.cli import main\n"
-        f"sys.exit(main(['run', {str(QUICKSTART)!r}, '--out', {str(out)!r}]))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", stop_in_load], capture_output=True, text=True, timeout=300)
+    proc = flt_sigterm_in("flt.emulator.run", "load_data", ["run", str(QUICKSTART), "--out", str(out)])
     assert proc.returncode == 143, proc.stderr
     assert "terminated before the run folder was ready: nothing to resume" in proc.stderr
     assert "results so far" not in proc.stderr and not out.exists()
+
+
+def test_flt_relate_stopped_mid_way_says_so_in_one_line_and_stops_its_devices(tmp_path):
+    """Ctrl-C or SIGTERM during `flt relate` ended it with a KeyboardInterrupt traceback
+    and exit 1 (the command line caught the stop for `run` and `compare` only)."""
+    out = tmp_path / "relate"
+    argv = ["relate", str(QUICKSTART), "--no-umap", "--out", str(out)]
+    proc = flt_sigterm_in("flt.emulator.relate", "write_artifacts", argv)  # after FCR, devices up
+    assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "terminated: `flt relate` has nothing to resume; run it again"
+    assert "2 device processes host 20 clients" in proc.stdout and not (out / "relate.json").exists()
+    logs = [(out / "logs" / f"dev-{i}.log").read_text() for i in (0, 1)]
+    assert all(": shutdown" in log for log in logs), logs
+
+
+def test_a_sigterm_after_the_command_is_done_ends_the_process_without_a_traceback(tmp_path):
+    """Stop's handler stayed installed after `main` returned, so a SIGTERM while the
+    process exited (zmq's atexit clean-up) printed a Terminated traceback."""
+    import sys
+
+    script = (
+        "import os, signal, sys\n"
+        "from flt.emulator.cli import main\n"
+        f"code = main(['run', '--resume', {str(tmp_path)!r}])\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "sys.exit(code)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == -15 and "Traceback" not in proc.stderr, proc.stderr
+    assert "no config.yaml" in proc.stderr  # main ran: refused the folder with one line
 
 
 def test_a_device_started_by_hand_joins_over_tcp(tmp_path):
