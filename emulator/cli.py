@@ -97,11 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = sys.argv[1:] if argv is None else list(argv)  # recorded in each run folder
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")  # a device: its own
     if args.cmd == "device":
-        return _device(args)
+        return stoppable(lambda: _device(args), "the device left its server")
     if args.cmd == "keys":
         return guarded(lambda: _keys(args))
     if args.cmd == "report":
-        return guarded(lambda: _report(args))
+        return stoppable(lambda: guarded(lambda: _report(args)), "the report is unfinished; run the command again")
     # a mistake in the scenario or a --set answers now, before torch, scikit-learn and the
     # device zygote are loaded (benchmarks/bench_validation.py: well under a second)
     validates = args.cmd in ("run", "compare", "relate") and args.scenario and not getattr(args, "resume", None)
@@ -178,13 +178,12 @@ def _suite(args) -> int:
 
     report.COMMAND = args.argv
     codes: list[int] = []
-    try:
-        code = guarded(
+    code = stoppable(
+        lambda: guarded(
             lambda: codes.append(suite.run_suite([Path(p) for p in args.scenarios], args.set, Path(args.out)))
-        )
-    except KeyboardInterrupt as stop:
-        print(f"\n{stopped(stop)}: run the same command again to resume ({args.out})", file=sys.stderr)
-        return exit_code(stop)
+        ),
+        f"run the same command again to resume ({args.out})",
+    )
     return code or (codes[0] if codes else 0)
 
 
@@ -263,6 +262,16 @@ def _resume(args) -> None:
             raise ConfigError(f"{run_dir}: no {name}; not a run folder that can be resumed")
     saved = config.load(str(run_dir / "config.yaml"), [], saved=True)
     run_scenario(saved, str(run_dir), resume=True, progress=active())
+
+
+def stoppable(command: Callable[[], int], said: str) -> int:
+    """The command's exit code; on Ctrl-C or SIGTERM, one line (`said`) instead of a
+    traceback, and the shell's code for the signal."""
+    try:
+        return command()
+    except KeyboardInterrupt as stop:
+        print(f"\n{stopped(stop)}: {said}", file=sys.stderr)  # after a bar's half-drawn line
+        return exit_code(stop)
 
 
 def exit_code(stop: KeyboardInterrupt) -> int:

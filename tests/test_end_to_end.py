@@ -273,15 +273,15 @@ def test_sigterm_stops_like_ctrl_c_and_keeps_the_rounds_done(tmp_path):
     assert (tmp_path / "run.log").read_text().splitlines()[-1].endswith("INFO flt.run: stopped: terminated")
 
 
-def flt_sigterm_in(module: str, function: str, argv: list[str]) -> subprocess.CompletedProcess:
-    """`flt ARGV` in a fresh process that sends itself SIGTERM when `module.function` is
+def flt_sigterm_in(module: str, function: str, argv: list[str], signal: str = "SIGTERM") -> subprocess.CompletedProcess:
+    """`flt ARGV` in a fresh process that sends itself `signal` when `module.function` is
     called (instead of calling it): a stop at a chosen point of a real command."""
     import sys
 
     script = (
         "import os, signal, sys, importlib\n"
         f"setattr(importlib.import_module({module!r}), {function!r}, "
-        "lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))\n"
+        f"lambda *a, **k: os.kill(os.getpid(), signal.{signal}))\n"
         "from flt.emulator.cli import main\n"
         f"sys.exit(main({argv!r}))\n"
     )
@@ -309,6 +309,30 @@ def test_flt_relate_stopped_mid_way_says_so_in_one_line_and_stops_its_devices(tm
     assert "2 device processes host 20 clients" in proc.stdout and not (out / "relate.json").exists()
     logs = [(out / "logs" / f"dev-{i}.log").read_text() for i in (0, 1)]
     assert all(": shutdown" in log for log in logs), logs
+
+
+def test_ctrl_c_in_flt_report_and_in_a_device_started_by_hand_is_one_line(tmp_path, fedavg_run):
+    """Ctrl-C in `flt report` or in `flt device` (the way to stop a device started by
+    hand) ended them with a KeyboardInterrupt traceback."""
+    import signal
+    import time
+
+    argv = ["report", str(fedavg_run[0]), "--out", str(tmp_path / "report")]
+    proc = flt_sigterm_in("flt.reports.html", "build", argv, signal="SIGINT")
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "interrupted: the report is unfinished; run the command again"
+
+    device = flt_popen(
+        "device", "--connect", f"tcp://127.0.0.1:{free_port()}", "--name", "by-hand",
+        stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    assert device.stderr is not None
+    assert any("by-hand: connecting to" in line for line in device.stderr)  # up, waiting for no server
+    time.sleep(0.5)
+    device.send_signal(signal.SIGINT)
+    err = device.communicate(timeout=60)[1]
+    assert device.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "interrupted: the device left its server"
 
 
 def test_a_sigterm_after_the_command_is_done_ends_the_process_without_a_traceback(tmp_path):
