@@ -102,22 +102,33 @@ def main(argv: list[str] | None = None) -> int:
         return guarded(lambda: _keys(args))
     if args.cmd == "report":
         return stoppable(lambda: guarded(lambda: _report(args)), "the report is unfinished; run the command again")
-    # a mistake in the scenario or a --set answers now, before torch, scikit-learn and the
-    # device zygote are loaded (benchmarks/bench_validation.py: well under a second)
+    from flt.common.interrupts import stop_on_sigterm
+
+    stop_on_sigterm()  # the device zygote puts the default back for itself and its devices
+    try:
+        # _run and _suite answer a stop once their work begins; before that, what they import
+        # takes seconds too, and a stop there has computed nothing
+        return stoppable(
+            lambda: _start(args) or (_suite(args) if args.cmd == "suite" else _run(args)),
+            "nothing was computed (the command was starting)",
+        )
+    finally:  # done: a SIGTERM while the process exits ends it, not a traceback in an atexit handler
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _start(args) -> int:
+    """run, compare, relate, suite: check the scenario, then make this process its devices'
+    template. A mistake in the scenario or a --set answers first, before torch,
+    scikit-learn and the device zygote are loaded (benchmarks/bench_validation.py: well
+    under a second); then devices are forked from a copy of this process made now, before
+    any thread exists, so that torch's pages are shared (emulator/zygote.py)."""
     validates = args.cmd in ("run", "compare", "relate") and args.scenario and not getattr(args, "resume", None)
     if validates and (code := guarded(lambda: _validate(args))):
         return code
-    # run, compare, relate, suite: devices are forked from a copy of this process made
-    # now, before any thread exists, so that torch's pages are shared (emulator/zygote.py)
-    from flt.common.interrupts import stop_on_sigterm
     from flt.emulator.processes import fork_here
 
     fork_here()
-    stop_on_sigterm()  # after the fork: device processes keep the default
-    try:
-        return _suite(args) if args.cmd == "suite" else _run(args)
-    finally:  # done: a SIGTERM while the process exits ends it, not a traceback in an atexit handler
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return 0
 
 
 def _device(args) -> int:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from flt.common.errors import DeviceError
+from flt.common.interrupts import deferred_interrupt
 from flt.emulator.zygote import Zygote, preload
 from flt.server.transport import Transport
 
@@ -32,7 +33,8 @@ def fork_here() -> None:
     first thing). Without it, the first fleet spawns a fresh zygote."""
     global _zygote
     if _zygote is None and hasattr(os, "fork"):
-        preload()
+        with deferred_interrupt():  # a KeyboardInterrupt inside torch's C++ import aborts the process
+            preload()
         _zygote = Zygote.fork_here()
         atexit.register(_zygote.close)
 

@@ -240,8 +240,9 @@ class Dynamics:
         self.method = 0
 
     def arrive(self, rnd: int, clients: np.ndarray) -> None:
-        name = self.fleet.start(1, prefix=f"new-m{self.method}-r{rnd}")[0]
-        self.fleet.wait(self.transport, self.cfg["devices"]["start_timeout_s"])
+        with self.transport.joining():
+            name = self.fleet.start(1, prefix=f"new-m{self.method}-r{rnd}")[0]
+            self.fleet.wait(self.transport, self.cfg["devices"]["start_timeout_s"])
         assign_clients(
             self.transport, self.partition, [name], self.meta, self.cfg["devices"]["start_timeout_s"], clients
         )

@@ -68,9 +68,10 @@ class Session:
     def start(self, partition: part.Partition, model_spec: dict, clients: np.ndarray, progress: Progress) -> list[str]:
         """Start the devices, wait for them (and for external ones), give them `clients`."""
         d = self.cfg["devices"]
-        self.fleet.start(self.n_proc)
-        own = self.fleet.wait(self.transport, d["start_timeout_s"])
-        self.devices = own + wait_external(self.transport, own, self.external, d["start_timeout_s"], progress)
+        with self.transport.joining():
+            self.fleet.start(self.n_proc)
+            own = self.fleet.wait(self.transport, d["start_timeout_s"])
+            self.devices = own + wait_external(self.transport, own, self.external, d["start_timeout_s"], progress)
         self.meta = assign_meta(self.cfg, model_spec)
         assign_clients(self.transport, partition, self.devices, self.meta, d["start_timeout_s"], clients, pool=own)
         return self.devices

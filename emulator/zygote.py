@@ -81,10 +81,11 @@ def _exit_code(status: int) -> int:
 def serve(sock: socket.socket, how: str) -> None:
     """Fork a device for each request; report every child's exit; end at EOF. `how` the
     zygote came to be, for its process title (ps would show the emulator's command line)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the emulator's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the emulator's stop (common/interrupts.py)
     from flt.devices.device import set_process_title
 
     set_process_title(f"flt zygote ({how} pid {os.getppid()}, forks its device processes)")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the emulator's to handle
     gc.freeze()  # what exists now is shared with every device: collections must not touch it
     channel = Lines(sock)
     alive: set[int] = set()

@@ -161,7 +161,7 @@ class Transport:
         # the batch, clients and devices of a gather that an interrupt (Ctrl-C, SIGTERM) cut
         # short: their replies still come, expected, while the run closes
         self._owed: tuple[int, set[int], dict[int, str]] | None = None
-        self._joining = False  # in `wait_devices`, or an interrupt ended it: devices may still say hello
+        self._joining = False  # devices are starting, or an interrupt stopped them starting (`joining`)
 
     # -- raw send / receive -----------------------------------------------------------
     def send(self, device: str, msg: Message) -> None:
@@ -279,17 +279,29 @@ class Transport:
         msg.meta.pop("token", None)  # checked; kept nowhere
         return name
 
+    @contextlib.contextmanager
+    def joining(self) -> Iterator[None]:
+        """Devices are starting (launched, or awaited from other hosts). An interrupt here
+        leaves their hellos still to come while the run closes: `drain` counts them as the
+        run's own, apart, not as a stray peer's."""
+        self._joining, stopped = True, False
+        try:
+            yield
+        except KeyboardInterrupt:
+            stopped = True
+            raise
+        finally:
+            self._joining = stopped
+
     def wait_devices(self, n: int, timeout_s: float) -> list[str]:
         """Block until n devices said hello; raise naming how many came."""
         deadline = time.monotonic() + timeout_s
-        self._joining = True  # stays only if an interrupt ends the wait: `drain` expects the rest's hellos
-        while len(self.devices) < n:
-            got = self.recv(max(0.0, deadline - time.monotonic()))
-            if got is None:
-                self._joining = False
-                raise DeviceError(f"only {len(self.devices)} of {n} devices connected within {timeout_s:g} s")
-            self._hello(*got)
-        self._joining = False
+        with self.joining():
+            while len(self.devices) < n:
+                got = self.recv(max(0.0, deadline - time.monotonic()))
+                if got is None:
+                    raise DeviceError(f"only {len(self.devices)} of {n} devices connected within {timeout_s:g} s")
+                self._hello(*got)
         return list(self.devices)
 
     def _hello(self, ident: str, msg: Message) -> None:

@@ -273,19 +273,23 @@ def test_sigterm_stops_like_ctrl_c_and_keeps_the_rounds_done(tmp_path):
     assert (tmp_path / "run.log").read_text().splitlines()[-1].endswith("INFO flt.run: stopped: terminated")
 
 
+def flt_patched(patch: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """`flt ARGV` in a fresh process that first runs the Python code `patch`."""
+    import sys
+
+    script = f"{patch}\nimport sys\nfrom flt.emulator.cli import main\nsys.exit(main({argv!r}))\n"
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
 def flt_sigterm_in(module: str, function: str, argv: list[str], signal: str = "SIGTERM") -> subprocess.CompletedProcess:
     """`flt ARGV` in a fresh process that sends itself `signal` when `module.function` is
     called (instead of calling it): a stop at a chosen point of a real command."""
-    import sys
-
-    script = (
-        "import os, signal, sys, importlib\n"
+    patch = (
+        "import os, signal, importlib\n"
         f"setattr(importlib.import_module({module!r}), {function!r}, "
-        f"lambda *a, **k: os.kill(os.getpid(), signal.{signal}))\n"
-        "from flt.emulator.cli import main\n"
-        f"sys.exit(main({argv!r}))\n"
+        f"lambda *a, **k: os.kill(os.getpid(), signal.{signal}))"
     )
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
+    return flt_patched(patch, argv)
 
 
 def test_a_run_stopped_while_its_data_loads_says_there_is_nothing_to_resume(tmp_path):
@@ -296,6 +300,52 @@ def test_a_run_stopped_while_its_data_loads_says_there_is_nothing_to_resume(tmp_
     assert proc.returncode == 143, proc.stderr
     assert "terminated before the run folder was ready: nothing to resume" in proc.stderr
     assert "results so far" not in proc.stderr and not out.exists()
+
+
+STOP_ONCE_DEVICES_SAID_HELLO = """
+import os, signal, time
+from flt.emulator.processes import DeviceFleet
+
+def wait(self, transport, timeout_s):  # the devices' hellos are on the server's socket, unread
+    logs = [self.log_dir / f"{name}.log" for name in self.procs]
+    while not all(log.exists() and "connecting to" in log.read_text() for log in logs):
+        time.sleep(0.05)
+    time.sleep(0.3)
+    for pid in [self.forks.pid, *(proc.pid for proc in self.procs.values())]:  # the zygote and devices
+        caught = int(dict(line.split(":\t") for line in open(f"/proc/{pid}/status"))["SigCgt"], 16)
+        print("catches SIGTERM:", pid, bool(caught >> (signal.SIGTERM - 1) & 1))
+    os.kill(os.getpid(), signal.SIGTERM)
+
+DeviceFleet.wait = wait
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_devices_that_said_hello_as_the_run_stopped_are_not_taken_for_stray_peers(tmp_path):
+    """Stopped while its device processes started (before their hellos were read), a run
+    warned of its own devices as `rejected (hello mid-run)` and counted them with a stray
+    peer's messages: the hellos were expected only while waiting for devices by hand.
+    The command now takes SIGTERM before it forks its device zygote: the zygote and the
+    devices must still leave SIGTERM to the default (killed, not a Python exception)."""
+    out = tmp_path / "run"
+    proc = flt_patched(STOP_ONCE_DEVICES_SAID_HELLO, ["run", str(QUICKSTART), "--out", str(out)])
+    assert proc.returncode == 143 and "hello mid-run" not in proc.stderr, proc.stderr
+    rejected = summary(out)["rejected"]["rejected_reasons"]
+    assert rejected == {"after the interrupt": {"messages": 2, "bytes": rejected["after the interrupt"]["bytes"]}}
+    catches = [line for line in proc.stdout.splitlines() if line.startswith("catches SIGTERM:")]
+    assert len(catches) == 3 and all(line.endswith("False") for line in catches), catches
+
+
+def test_a_stop_while_the_command_imports_torch_is_one_line(tmp_path):
+    """Ctrl-C in the seconds the command spends importing torch and the rest (before any
+    work) ended it with a KeyboardInterrupt traceback, or, inside torch's C++ import, with
+    an abort ("terminate called after throwing an instance of pybind11::error_already_set")."""
+    out = tmp_path / "run"
+    argv = ["run", str(QUICKSTART), "--out", str(out)]
+    proc = flt_sigterm_in("flt.emulator.processes", "preload", argv, signal="SIGINT")
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "interrupted: nothing was computed (the command was starting)"
+    assert not out.exists()
 
 
 def test_flt_relate_stopped_mid_way_says_so_in_one_line_and_stops_its_devices(tmp_path):
