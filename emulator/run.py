@@ -240,7 +240,7 @@ class Dynamics:
         self.method = 0
 
     def arrive(self, rnd: int, clients: np.ndarray) -> None:
-        with self.transport.joining():
+        with self.transport.expecting("hello"):
             name = self.fleet.start(1, prefix=f"new-m{self.method}-r{rnd}")[0]
             self.fleet.wait(self.transport, self.cfg["devices"]["start_timeout_s"])
         assign_clients(

@@ -68,7 +68,7 @@ class Session:
     def start(self, partition: part.Partition, model_spec: dict, clients: np.ndarray, progress: Progress) -> list[str]:
         """Start the devices, wait for them (and for external ones), give them `clients`."""
         d = self.cfg["devices"]
-        with self.transport.joining():
+        with self.transport.expecting("hello"):
             self.fleet.start(self.n_proc)
             own = self.fleet.wait(self.transport, d["start_timeout_s"])
             self.devices = own + wait_external(self.transport, own, self.external, d["start_timeout_s"], progress)
@@ -191,17 +191,19 @@ def assign_clients(
     if partition.shift is not None:
         meta = {**meta, "shift": partition.shift.meta()}
     expected: dict[str, list[int]] = {}
-    for device, block in blocks.items():
-        for c in block:
-            transport.client_device[int(c)] = device
-        expected[device] = block.tolist()
-        # a device outside the pool (a newcomer's: its assign is billed) holds what it hosts
-        tensors = {**_shards(partition, pooled), "hosted": block} if device in shared else _shards(partition, block)
-        try:
-            transport.send(device, Message("assign", meta=meta, tensors=tensors))
-        except DeviceLost as exc:
-            transport.lose(device, str(exc))
-    failed = _await_ready(transport, {d: c for d, c in expected.items() if d not in transport.lost_devices}, timeout_s)
+    with transport.expecting("ready", blocks):
+        for device, block in blocks.items():
+            for c in block:
+                transport.client_device[int(c)] = device
+            expected[device] = block.tolist()
+            # a device outside the pool (a newcomer's: its assign is billed) holds what it hosts
+            tensors = {**_shards(partition, pooled), "hosted": block} if device in shared else _shards(partition, block)
+            try:
+                transport.send(device, Message("assign", meta=meta, tensors=tensors))
+            except DeviceLost as exc:
+                transport.lose(device, str(exc))
+        live = {d: c for d, c in expected.items() if d not in transport.lost_devices}
+        failed = _await_ready(transport, live, timeout_s)
     for device, why in failed.items():
         transport.lose(device, why)
     if not transport.active_devices():

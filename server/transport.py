@@ -161,7 +161,8 @@ class Transport:
         # the batch, clients and devices of a gather that an interrupt (Ctrl-C, SIGTERM) cut
         # short: their replies still come, expected, while the run closes
         self._owed: tuple[int, set[int], dict[int, str]] | None = None
-        self._joining = False  # devices are starting, or an interrupt stopped them starting (`joining`)
+        # replies due to a wait that may be interrupted (`expecting`): (kind, from which devices)
+        self._due: list[tuple[str, set[str] | None]] = []
 
     # -- raw send / receive -----------------------------------------------------------
     def send(self, device: str, msg: Message) -> None:
@@ -280,23 +281,36 @@ class Transport:
         return name
 
     @contextlib.contextmanager
-    def joining(self) -> Iterator[None]:
-        """Devices are starting (launched, or awaited from other hosts). An interrupt here
-        leaves their hellos still to come while the run closes: `drain` counts them as the
-        run's own, apart, not as a stray peer's."""
-        self._joining, stopped = True, False
+    def expecting(self, kind: str, devices: Collection[str] | None = None) -> Iterator[None]:
+        """Replies of `kind` (or an error in their place) are due while the block waits for them: one from each of
+        `devices`, or (None) a hello from each device still starting (launched, or awaited
+        from other hosts). An interrupt in the block leaves them still to come while the
+        run closes: `drain` counts them as the run's own, apart, not as a stray peer's."""
+        due = (kind, None if devices is None else set(devices))
+        self._due.append(due)
+        stopped = False
         try:
             yield
         except KeyboardInterrupt:
             stopped = True
             raise
         finally:
-            self._joining = stopped
+            if not stopped:
+                self._due.remove(due)
+
+    def _was_due(self, ident: str, msg: Message) -> bool:
+        """Whether `msg` is a reply an interrupted `expecting` block was owed (used up)."""
+        for kind, devices in self._due:
+            if msg.kind in (kind, "error") and (ident not in self.devices if devices is None else ident in devices):
+                if devices is not None:
+                    devices.discard(ident)  # one each: a second one is stale
+                return True
+        return False
 
     def wait_devices(self, n: int, timeout_s: float) -> list[str]:
         """Block until n devices said hello; raise naming how many came."""
         deadline = time.monotonic() + timeout_s
-        with self.joining():
+        with self.expecting("hello"):
             while len(self.devices) < n:
                 got = self.recv(max(0.0, deadline - time.monotonic()))
                 if got is None:
@@ -378,14 +392,15 @@ class Transport:
                 for i, cid in enumerate(cids):
                     msg = tasks[cid]
                     msg.meta = {**msg.meta, "batch": batch, "last": int(i == len(cids) - 1)}
+                    waiting.add(cid)  # before the send: an interrupt held back through it comes right after
                     self.send(device, msg)
                     if device == home[cid]:
                         self.sent_to.pop(cid, None)
                     else:
                         self.sent_to[cid] = device
                         self.moved += 1
-                waiting.update(cids)
             except DeviceLost as exc:
+                waiting.difference_update(cids)
                 self.lose(device, str(exc))
         results: dict[int, Message] = {}
         start = time.monotonic()
@@ -451,15 +466,17 @@ class Transport:
         """Read what is still queued when the run ends, so that every message that arrived
         is counted (no task waits for any of it), for at most `max_s`: a flood cannot
         hold the run open. The replies that an interrupted gather was owed, each from the
-        device its task went to, and the hellos of devices still starting when an interrupt
-        ended the wait for them, are expected: counted apart and logged in one line."""
+        device its task went to, and those an interrupted `expecting` block waited for
+        (hellos of devices still starting, devices' `ready`), are expected: counted apart
+        and logged in one line."""
         batch, owed, dest = self._owed or (None, set(), {})
         late, end = 0, time.monotonic() + max_s
         while (got := self._next(min(end, time.monotonic() + quiet_s))) is not None:
             ident, msg, size = got
             replied = msg.meta.get("batch") == batch and msg.client in owed and dest[msg.client] == ident
-            if replied or (msg.kind == "hello" and self._joining and ident not in self.devices):
+            if replied:
                 owed.discard(msg.client)  # one reply each: a second one is stale
+            if replied or self._was_due(ident, msg):
                 self.reject("after the interrupt", ident, size, "", quiet=True)
                 late += 1
                 continue

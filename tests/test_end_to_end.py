@@ -302,38 +302,51 @@ def test_a_run_stopped_while_its_data_loads_says_there_is_nothing_to_resume(tmp_
     assert "results so far" not in proc.stderr and not out.exists()
 
 
-STOP_ONCE_DEVICES_SAID_HELLO = """
+STOP_ONCE_DEVICES_LOGGED = """
 import os, signal, time
+from pathlib import Path
+import flt.emulator.session as session
 from flt.emulator.processes import DeviceFleet
 
-def wait(self, transport, timeout_s):  # the devices' hellos are on the server's socket, unread
-    logs = [self.log_dir / f"{name}.log" for name in self.procs]
-    while not all(log.exists() and "connecting to" in log.read_text() for log in logs):
+def stop_once_logged(logs, marker):  # what the devices sent then is on the server's socket, unread
+    while not all(log.exists() and marker in log.read_text() for log in logs):
         time.sleep(0.05)
     time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+def wait(self, transport, timeout_s):  # a device logs "connecting to" right after its hello
     for pid in [self.forks.pid, *(proc.pid for proc in self.procs.values())]:  # the zygote and devices
         caught = int(dict(line.split(":\t") for line in open(f"/proc/{pid}/status"))["SigCgt"], 16)
         print("catches SIGTERM:", pid, bool(caught >> (signal.SIGTERM - 1) & 1))
-    os.kill(os.getpid(), signal.SIGTERM)
+    stop_once_logged([self.log_dir / f"{name}.log" for name in self.procs], "connecting to")
 
-DeviceFleet.wait = wait
+def await_ready(transport, expected, timeout_s):  # ... and "hosting" right before its ready
+    stop_once_logged([Path(LOGS) / f"{name}.log" for name in expected], "hosting")
+
+if STOP == "hello":
+    DeviceFleet.wait = wait
+else:
+    session._await_ready = await_ready
 """
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
-def test_devices_that_said_hello_as_the_run_stopped_are_not_taken_for_stray_peers(tmp_path):
-    """Stopped while its device processes started (before their hellos were read), a run
-    warned of its own devices as `rejected (hello mid-run)` and counted them with a stray
-    peer's messages: the hellos were expected only while waiting for devices by hand.
-    The command now takes SIGTERM before it forks its device zygote: the zygote and the
-    devices must still leave SIGTERM to the default (killed, not a Python exception)."""
+@pytest.mark.parametrize("stop", ["hello", "ready"])
+def test_what_devices_sent_as_the_run_stopped_is_not_taken_for_a_stray_peers(tmp_path, stop):
+    """Stopped while its device processes started, or while they loaded their clients (before
+    their hellos, or their `ready`, were read), a run warned of its own devices as
+    `rejected (hello mid-run)` or `(stale)` and counted them with a stray peer's
+    messages: hellos were expected only while waiting for devices by hand, and `ready`
+    never. The command now takes SIGTERM before it forks its device zygote: the zygote and
+    the devices must still leave SIGTERM to the default (killed, not a Python exception)."""
     out = tmp_path / "run"
-    proc = flt_patched(STOP_ONCE_DEVICES_SAID_HELLO, ["run", str(QUICKSTART), "--out", str(out)])
-    assert proc.returncode == 143 and "hello mid-run" not in proc.stderr, proc.stderr
+    patch = f"STOP, LOGS = {stop!r}, {str(out / 'logs')!r}\n{STOP_ONCE_DEVICES_LOGGED}"
+    proc = flt_patched(patch, ["run", str(QUICKSTART), "--out", str(out)])
+    assert proc.returncode == 143 and "WARNING" not in proc.stderr, proc.stderr
     rejected = summary(out)["rejected"]["rejected_reasons"]
     assert rejected == {"after the interrupt": {"messages": 2, "bytes": rejected["after the interrupt"]["bytes"]}}
     catches = [line for line in proc.stdout.splitlines() if line.startswith("catches SIGTERM:")]
-    assert len(catches) == 3 and all(line.endswith("False") for line in catches), catches
+    assert len(catches) == (3 if stop == "hello" else 0) and all(line.endswith("False") for line in catches), catches
 
 
 def test_a_stop_while_the_command_imports_torch_is_one_line(tmp_path):
