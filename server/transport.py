@@ -282,10 +282,11 @@ class Transport:
 
     @contextlib.contextmanager
     def expecting(self, kind: str, devices: Collection[str] | None = None) -> Iterator[None]:
-        """Replies of `kind` (or an error in their place) are due while the block waits for them: one from each of
-        `devices`, or (None) a hello from each device still starting (launched, or awaited
-        from other hosts). An interrupt in the block leaves them still to come while the
-        run closes: `drain` counts them as the run's own, apart, not as a stray peer's."""
+        """Replies of `kind` (or an error in their place) are due while the block waits for
+        them: one from each of `devices`, or (None) a hello from each device still starting
+        (launched, or awaited from other hosts). An interrupt in the block leaves them still
+        to come while the run closes: `drain` counts them as the run's own, apart, not as a
+        stray peer's."""
         due = (kind, None if devices is None else set(devices))
         self._due.append(due)
         stopped = False
