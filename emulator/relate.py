@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flt.common.interrupts import deferred_interrupt
 from flt.common.schema import ConfigError
 from flt.emulator.run import (
     build_partition,
@@ -103,7 +104,8 @@ def _relate(cfg: dict, spec: dict, run_dir: Path, progress: Progress, umap: bool
             "planted_clusters": int(len(np.unique(partition.cluster[partition.cluster >= 0]))),
         }
     finally:
-        session.close()
+        with deferred_interrupt():  # a second Ctrl-C must not cut the devices' shutdown short (emulator/run.py)
+            session.close()
     if umap and strategy.how.space != "umap":  # the pipeline did not need UMAP; draw it anyway
         plot_umap(strategy, ctx, method_dir)
     (run_dir / "relate.json").write_text(json.dumps(result, indent=2, default=report._jsonable))

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from flt.common.files import folder_lock, make_folder
+from flt.common.interrupts import deferred_interrupt
 from flt.common.schema import ConfigError
 from flt.common.wire import Message, encode, frame_bytes
 from flt.emulator import processes
@@ -421,16 +422,20 @@ def _run_scenario(
         report.plot_convergence(run_dir, summary)
         progress(report.table(summary))
     finally:
-        session.close()
-        # what differs from one execution to the next, apart from the results
-        summary["timing"] = {
-            "run_dir": str(run_dir),
-            "device_exit_codes": fleet.exit_codes(),
-            "tasks_off_host": transport.moved,  # server/routing.py: tasks run where their client is not hosted
-        }
-        summary["rejected"] = transport.rejections.summary()  # the whole run's, start-up included
-        summary["security"] = transport.gate.report()
-        report.write_summary(run_dir, summary)
+        # a second Ctrl-C (an impatient user) must not cut short the devices' shutdown and the
+        # summary's last write: held back until both are done (seconds at most, bounded by
+        # the drain, the context's term and the processes' grace; SIGKILL ends it at once)
+        with deferred_interrupt():
+            session.close()
+            # what differs from one execution to the next, apart from the results
+            summary["timing"] = {
+                "run_dir": str(run_dir),
+                "device_exit_codes": fleet.exit_codes(),
+                "tasks_off_host": transport.moved,  # server/routing.py: tasks run where their client is not hosted
+            }
+            summary["rejected"] = transport.rejections.summary()  # the whole run's, start-up included
+            summary["security"] = transport.gate.report()
+            report.write_summary(run_dir, summary)
     if summary["rejected"]["rejected_messages"]:
         progress(rejected_note(summary["rejected"]))
     return run_dir

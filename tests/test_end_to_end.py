@@ -227,9 +227,9 @@ def test_a_run_whose_every_device_dies_stops_with_exit_3_and_keeps_its_rounds(tm
     assert not (tmp_path / "flt").exists()  # the next method did not start with no devices
 
 
-def stop_after_three_rounds(out: Path, signum: int) -> tuple[subprocess.Popen, str, Path]:
-    """A long FedAvg run on the quickstart, sent `signum` once 3 rounds are recorded;
-    returns the process (ended), its stderr and its metrics file."""
+def stop_after_three_rounds(out: Path, signum: int, times: int = 1) -> tuple[subprocess.Popen, str, Path]:
+    """A long FedAvg run on the quickstart, sent `signum` (`times` times, 50 ms apart) once
+    3 rounds are recorded; returns the process (ended), its stderr and its metrics file."""
     import signal
     import time
 
@@ -244,15 +244,21 @@ def stop_after_three_rounds(out: Path, signum: int) -> tuple[subprocess.Popen, s
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
         time.sleep(0.5)
-    proc.send_signal(signum)
+    for i in range(times):
+        time.sleep(0.05 * (i > 0))
+        proc.send_signal(signum)
     _, err = proc.communicate(timeout=60)
     return proc, err, metrics
 
 
-def test_ctrl_c_stops_cleanly_and_keeps_the_rounds_done(tmp_path):
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_stops_cleanly_and_keeps_the_rounds_done(tmp_path, presses):
+    """Pressed twice (an impatient user), the second Ctrl-C came while the run closed: the
+    devices were never told to shut down (they left when they found the server gone) and
+    the summary lost its last write (`timing`, the rejected messages)."""
     import signal
 
-    proc, err, metrics = stop_after_three_rounds(tmp_path, signal.SIGINT)
+    proc, err, metrics = stop_after_three_rounds(tmp_path, signal.SIGINT, presses)
     assert proc.returncode == 130 and "interrupted" in err
     assert len(metrics.read_text().splitlines()) >= 3
     codes = json.loads((tmp_path / "summary.json").read_text())["timing"]["device_exit_codes"]
