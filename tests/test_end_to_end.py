@@ -287,7 +287,7 @@ def flt_patched(patch: str, argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
-def flt_sigterm_in(module: str, function: str, argv: list[str], signal: str = "SIGTERM") -> subprocess.CompletedProcess:
+def flt_stopped_in(module: str, function: str, argv: list[str], signal: str = "SIGTERM") -> subprocess.CompletedProcess:
     """`flt ARGV` in a fresh process that sends itself `signal` when `module.function` is
     called (instead of calling it): a stop at a chosen point of a real command."""
     patch = (
@@ -302,7 +302,7 @@ def test_a_run_stopped_while_its_data_loads_says_there_is_nothing_to_resume(tmp_
     """A stop before the run folder is ready (here: SIGTERM while the data loads) claimed
     that "results so far are in the run folder", though there was none to resume."""
     out = tmp_path / "run"
-    proc = flt_sigterm_in("flt.emulator.run", "load_data", ["run", str(QUICKSTART), "--out", str(out)])
+    proc = flt_stopped_in("flt.emulator.run", "load_data", ["run", str(QUICKSTART), "--out", str(out)])
     assert proc.returncode == 143, proc.stderr
     assert "terminated before the run folder was ready: nothing to resume" in proc.stderr
     assert "results so far" not in proc.stderr and not out.exists()
@@ -338,7 +338,7 @@ else:
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
 @pytest.mark.parametrize("stop", ["hello", "ready"])
-def test_what_devices_sent_as_the_run_stopped_is_not_taken_for_a_stray_peers(tmp_path, stop):
+def test_what_its_own_devices_sent_as_a_run_stopped_is_counted_apart(tmp_path, stop):
     """Stopped while its device processes started, or while they loaded their clients (before
     their hellos, or their `ready`, were read), a run warned of its own devices as
     `rejected (hello mid-run)` or `(stale)` and counted them with a stray peer's
@@ -361,7 +361,7 @@ def test_a_stop_while_the_command_imports_torch_is_one_line(tmp_path):
     an abort ("terminate called after throwing an instance of pybind11::error_already_set")."""
     out = tmp_path / "run"
     argv = ["run", str(QUICKSTART), "--out", str(out)]
-    proc = flt_sigterm_in("flt.emulator.processes", "preload", argv, signal="SIGINT")
+    proc = flt_stopped_in("flt.emulator.processes", "preload", argv, signal="SIGINT")
     assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "interrupted: nothing was computed (the command was starting)"
     assert not out.exists()
@@ -372,7 +372,7 @@ def test_flt_relate_stopped_mid_way_says_so_in_one_line_and_stops_its_devices(tm
     and exit 1 (the command line caught the stop for `run` and `compare` only)."""
     out = tmp_path / "relate"
     argv = ["relate", str(QUICKSTART), "--no-umap", "--out", str(out)]
-    proc = flt_sigterm_in("flt.emulator.relate", "write_artifacts", argv)  # after FCR, devices up
+    proc = flt_stopped_in("flt.emulator.relate", "write_artifacts", argv)  # after FCR, devices up
     assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "terminated: `flt relate` has nothing to resume; run it again"
     assert "2 device processes host 20 clients" in proc.stdout and not (out / "relate.json").exists()
@@ -387,7 +387,7 @@ def test_ctrl_c_in_flt_report_and_in_a_device_started_by_hand_is_one_line(tmp_pa
     import time
 
     argv = ["report", str(fedavg_run[0]), "--out", str(tmp_path / "report")]
-    proc = flt_sigterm_in("flt.reports.html", "build", argv, signal="SIGINT")
+    proc = flt_stopped_in("flt.reports.html", "build", argv, signal="SIGINT")
     assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "interrupted: the report is unfinished; run the command again"
 
