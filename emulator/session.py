@@ -232,13 +232,13 @@ def _await_ready(transport: Transport, expected: dict[str, list[int]], timeout_s
     failed: dict[str, str] = {}
     waiting, deadline = set(expected), time.monotonic() + timeout_s
     while waiting:
-        got = transport.recv(max(0.0, deadline - time.monotonic()))
+        # anything else is rejected, not billed: a broken device's extra set-up message
+        # would otherwise count in the ledger of the method a newcomer arrives in
+        got = transport.recv(max(0.0, deadline - time.monotonic()), ("ready", "error"), waiting.__contains__)
         if got is None:
             failed.update({d: f"did not load its clients within {timeout_s:g} s" for d in waiting})
             break
         device, msg = got
-        if device not in waiting or msg.kind not in ("ready", "error"):
-            continue
         if msg.kind == "error":
             failed[device] = f"could not load its clients: {short(msg.meta.get('reason'), 300)}"
         elif msg.meta.get("clients") != expected[device]:

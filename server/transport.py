@@ -189,16 +189,25 @@ class Transport:
         limit = int(max(largest_message, MAX_HEADER_BYTES)) + self.gate.frame_overhead  # CURVE's wrapping
         self.sock.setsockopt(zmq.MAXMSGSIZE, limit)
 
-    def recv(self, timeout_s: float, kinds: Collection[str] = SETUP_KINDS) -> tuple[str, Message] | None:
-        """Next valid message of one of `kinds`, counted in the ledger, or None after the
-        timeout. Anything else is rejected, counted by reason and dropped."""
+    def recv(
+        self,
+        timeout_s: float,
+        kinds: Collection[str] = SETUP_KINDS,
+        awaited: Callable[[str], bool] = lambda device: True,
+    ) -> tuple[str, Message] | None:
+        """Next valid message of one of `kinds` from an `awaited` device, counted in the
+        ledger, or None after the timeout. Anything else is rejected, counted by reason and
+        dropped: never billed."""
         deadline = time.monotonic() + timeout_s
         while (got := self._next(deadline)) is not None:
             ident, msg, size = got
-            if msg.kind in kinds:
+            if msg.kind not in kinds:
+                self.reject("unexpected kind", ident, size, f"{msg.kind} (client {msg.client})")
+            elif not awaited(ident):
+                self.reject("not awaited", ident, size, f"{msg.kind} from a device no wait is for")
+            else:
                 self._account(msg, size)
                 return ident, msg
-            self.reject("unexpected kind", ident, size, f"{msg.kind} (client {msg.client})")
         return None
 
     def _next(self, deadline: float) -> tuple[str, Message, tuple[int, int]] | None:

@@ -180,6 +180,29 @@ def _dealer(endpoint: str, name: str, hello: bool = True):
     return s
 
 
+def test_a_set_up_message_from_a_device_no_wait_is_for_is_rejected_not_billed():
+    """While a newcomer loads its clients (the method's traffic is billed), another device's
+    stray `ready` was counted in the ledger and dropped: a broken device billed the method."""
+    from flt.emulator.session import _await_ready
+
+    server = Transport()
+    old, new = _dealer(server.endpoint, "dev-old"), _dealer(server.endpoint, "dev-new")
+    try:
+        server.wait_devices(2, timeout_s=10)
+        old.send_multipart(encode(Message("ready", meta={"clients": [9]})))
+        time.sleep(0.3)  # read first: the newcomer's own ready ends the wait
+        new.send_multipart(encode(Message("ready", meta={"clients": [0]})))
+        assert _await_ready(server, {"dev-new": [0]}, 10) == {}
+        reasons = {r: v["messages"] for r, v in server.rejections.summary()["rejected_reasons"].items()}
+        assert reasons == {"not awaited": 1}
+        up = server.ledger.totals()["up"]
+        assert sum(cell["messages"] for cell in up.values()) == 3  # the two hellos and the newcomer's ready
+    finally:
+        old.close()
+        new.close()
+        server.sock.close(linger=0)
+
+
 def test_rejections_are_counted_by_reason_and_their_bytes_kept_out_of_the_traffic():
     server = Transport()
     dev, stranger = _dealer(server.endpoint, "dev-a"), _dealer(server.endpoint, "stranger", hello=False)
