@@ -12,6 +12,7 @@ from collections.abc import Callable
 from flt.common.errors import DeviceError, FltError, short
 from flt.common.heap import limit_heap_retention
 from flt.common.interrupts import stopped
+from flt.reports.terminal import end_line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,9 +241,8 @@ def _run(args) -> int:
     try:
         return guarded(action)
     except KeyboardInterrupt as stop:
-        terminal.done()
         said = f"{stopped(stop)}: `flt relate` has nothing to resume; run it again" if args.cmd == "relate" else None
-        print(said or stop_line(stop), file=sys.stderr)
+        print(end_line() + (said or stop_line(stop)), file=sys.stderr)
         return exit_code(stop)
 
 
@@ -281,7 +281,7 @@ def stoppable(command: Callable[[], int], said: str) -> int:
     try:
         return command()
     except KeyboardInterrupt as stop:
-        print(f"\n{stopped(stop)}: {said}", file=sys.stderr)  # after a bar's half-drawn line
+        print(f"{end_line()}{stopped(stop)}: {said}", file=sys.stderr)
         return exit_code(stop)
 
 

@@ -24,6 +24,13 @@ def active() -> Progress:
     return _ACTIVE or print
 
 
+def end_line() -> str:
+    """What a line printed after a stop must start with: nothing, or a newline on a terminal
+    that may hold the shell's `^C` echo (a bar's line, with the echo, is erased instead)."""
+    erased = _ACTIVE.done() if _ACTIVE else False
+    return "\n" if sys.stderr.isatty() and not erased else ""
+
+
 def every_for(n: int, lines: int = 10) -> int:
     """How often to print a plain line so that `n` steps give about `lines` lines."""
     return max(1, round(n / lines))
@@ -114,10 +121,12 @@ class Display:
         _ACTIVE = self
         return self
 
-    def done(self) -> None:
-        """Leave the terminal clean (no bar left on the last line)."""
+    def done(self) -> bool:
+        """Leave the terminal clean (no bar left on the last line); True if a bar was erased."""
+        erased = self.tty and bool(self.status)
         self._erase()
         self.status = ""
+        return erased
 
     def _draw(self, text: str) -> None:
         if self.tty and text:

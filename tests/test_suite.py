@@ -15,7 +15,8 @@ from flt_command import flt  # tests/ is on sys.path under pytest
 from flt.common.schema import ConfigError
 from flt.emulator import config, suite
 from flt.models.autoencoder import ConvAE
-from flt.reports.terminal import Display, step
+from flt.reports import terminal
+from flt.reports.terminal import Display, end_line, step
 from flt.server.encoder import pretrain
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,6 +124,26 @@ def test_terminal_output_redraws_one_bar_and_keeps_the_last_line():
     assert "\r[####----------------] round 1" in text and "\r\x1b[Ka newcomer joined\n" in text
     assert "left | round 4\x1b[K\r\x1b[Kround 5\n" in text  # the bar erased before the last line
     assert "[####################]" not in text  # the last step prints its line, not a full bar
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("where", ["pipe", "terminal", "terminal with a bar"])
+def test_a_stop_line_starts_a_new_line_only_after_the_shells_echo(where, monkeypatch):
+    """Ctrl-C on a terminal echoes `^C` where the cursor is: the stop's line must start on a
+    line of its own, or where a bar (and the echo) was erased. In a pipe or a log there is
+    no echo, and a newline there was a blank line before the one line a stop prints."""
+    screen = _Terminal() if where.startswith("terminal") else io.StringIO()
+    monkeypatch.setattr("sys.stderr", screen)
+    display = Display(screen, tty=where.startswith("terminal"))
+    monkeypatch.setattr(terminal, "_ACTIVE", display)
+    if where.endswith("bar"):
+        display.step(1, 5, "round 1", "round")
+    assert end_line() == ("\n" if where == "terminal" else "")
+    assert display.status == "" and screen.getvalue().endswith("\r\x1b[K" if where.endswith("bar") else "")
 
 
 def test_encoder_pretraining_is_a_bar_not_a_line_per_epoch_and_warns_nothing():
