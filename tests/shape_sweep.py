@@ -11,7 +11,7 @@ planted clusters, shard sizes of 10 to 60 images, participation 0.1 to 1, batch 
 momentum, the MLP or a CNN, 1 to 3 device processes, three methods with their parameters
 (FLT's `k: labels`, `relatedness: paper`, fine-tuning and Case I; IFCA, CFL, FedSEM's
 `pool: all`, FedGroup, PACFL told C, ...), newcomers, drift (new images, or labels
-swapped), device profiles with a deadline and over-commitment, and a device crash. Each
+swapped), device profiles with a deadline (a multiple of a median task) and over-commitment, and a device crash. Each
 is a fresh `flt run` process on scikit-learn's digits; with --data-root also on MNIST,
 Fashion-MNIST, the CIFAR-10 JPEGs and the FEMNIST writers found there. Rounds are 3 to 5: the sweep looks for runs
 that break, not for accuracy.
@@ -138,14 +138,14 @@ def shape(i: int, seed: int, data_root: Path | None) -> dict:
         },
         "devices": {"processes": r.choice([1, 2, 3])},
         "methods": r.sample(methods_pool(kind == "clusters", max(clusters, 2)), 3),
-        "population": population(r, kind, m, clusters),
+        "population": population(r, kind, m, clusters, part.get("samples_per_client", 200)),
     }
     if out["devices"]["processes"] >= 2 and r.random() < 0.2:
         out["devices"]["crash"] = {1: 2}  # the run goes on without it
     return out
 
 
-def population(r: random.Random, kind: str, m: int, clusters: int) -> dict:
+def population(r: random.Random, kind: str, m: int, clusters: int, samples: int) -> dict:
     pop: dict = {}
     if m >= 5 and r.random() < 0.3:
         pop["newcomers"] = [{"round": 2, "clients": [m - 1]}]
@@ -162,8 +162,9 @@ def population(r: random.Random, kind: str, m: int, clusters: int) -> dict:
         pop["profiles"] = {
             "distribution": {"compute": {"dist": "lognormal", "median_ms_per_sample": 20.0, "sigma": 0.5}}
         }
-        if r.random() < 0.5:
-            pop["deadline_s"] = 3.0
+        if r.random() < 0.5:  # about the median client's task (3 x 20 ms a sample, ~2 s on the wire) x a
+            # factor, so that some rounds keep a few clients, some most, some none (a fixed 3 s kept none)
+            pop["deadline_s"] = round(r.choice([0.5, 1.0, 2.0, 4.0]) * (0.06 * samples + 2.0), 2)
         if r.random() < 0.5:
             pop["overcommit"] = 1.5
     return pop
