@@ -44,6 +44,7 @@ regression test in tests/test_*.py for every finding fixed.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -138,14 +139,31 @@ def shape(i: int, seed: int, data_root: Path | None) -> dict:
         },
         "devices": {"processes": r.choice([1, 2, 3])},
         "methods": r.sample(methods_pool(kind == "clusters", max(clusters, 2)), 3),
-        "population": population(r, kind, m, clusters, part.get("samples_per_client", 200)),
+        "population": population(r, kind, m, clusters, median_task_s(data, model, part.get("samples_per_client", 200))),
     }
     if out["devices"]["processes"] >= 2 and r.random() < 0.2:
         out["devices"]["crash"] = {1: 2}  # the run goes on without it
     return out
 
 
-def population(r: random.Random, kind: str, m: int, clusters: int, samples: int) -> dict:
+IN_SHAPE = {"digits": (1, 8, 8), "cifar10_jpg": (3, 32, 32)}  # the others: (1, 28, 28)
+
+
+@functools.lru_cache
+def parameters(model: str, dataset: str) -> int:
+    from flt.models.nets import build_model
+
+    net = build_model(model, IN_SHAPE.get(dataset, (1, 28, 28)), 62 if dataset == "femnist" else 10)
+    return sum(p.numel() for p in net.parameters())
+
+
+def median_task_s(data: dict, model: str, samples: int) -> float:
+    """A median client's emulated task: FedScale's compute (3 x 20 ms a sample, one epoch),
+    the model down at 20 and up at 5 Mbit/s (the default network's commonest tier)."""
+    return 0.06 * samples + 4 * 8 * parameters(model, data["dataset"]) * (1 / 20e6 + 1 / 5e6)
+
+
+def population(r: random.Random, kind: str, m: int, clusters: int, task_s: float) -> dict:
     pop: dict = {}
     if m >= 5 and r.random() < 0.3:
         pop["newcomers"] = [{"round": 2, "clients": [m - 1]}]
@@ -162,9 +180,8 @@ def population(r: random.Random, kind: str, m: int, clusters: int, samples: int)
         pop["profiles"] = {
             "distribution": {"compute": {"dist": "lognormal", "median_ms_per_sample": 20.0, "sigma": 0.5}}
         }
-        if r.random() < 0.5:  # about the median client's task (3 x 20 ms a sample, ~2 s on the wire) x a
-            # factor, so that some rounds keep a few clients, some most, some none (a fixed 3 s kept none)
-            pop["deadline_s"] = round(r.choice([0.5, 1.0, 2.0, 4.0]) * (0.06 * samples + 2.0), 2)
+        if r.random() < 0.5:  # some rounds keep a few clients, some most, some none (a fixed 3 s kept none)
+            pop["deadline_s"] = round(r.choice([0.5, 1.0, 2.0, 4.0]) * task_s, 2)
         if r.random() < 0.5:
             pop["overcommit"] = 1.5
     return pop
