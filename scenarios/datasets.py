@@ -191,6 +191,10 @@ def _need_root(name: str, root: str | os.PathLike | None) -> Path:
     return Path(root).expanduser()
 
 
+# a scenario's fields first: the command line is where most users meet this error
+FETCH_HINT = "set data.root to the folder that holds them, or data.download: true (download=True) to fetch them"
+
+
 def _fmt_dirs(dirs: list[Path]) -> str:
     return ", ".join(str(d) for d in dirs)
 
@@ -240,8 +244,7 @@ def _load_mnist_like(name: str, root: Path | None, train: bool, download: bool) 
     if found is None:
         raise DataError(
             f"dataset '{name}': no IDX files in {root} (looked for "
-            f"{files[0]}[.gz] and {files[1]}[.gz] in {_fmt_dirs(dirs)}; "
-            "pass download=True to fetch them)"
+            f"{files[0]}[.gz] and {files[1]}[.gz] in {_fmt_dirs(dirs)}; {FETCH_HINT})"
         )
     x, y = read_idx(found[0]), read_idx(found[1])
     return _idx_dataset(name, x, y, 10, found)
@@ -284,7 +287,7 @@ def _load_emnist(split: str, root: Path | None, train: bool, download: bool) -> 
     if found is None:
         raise DataError(
             f"dataset '{name}': no IDX files in {root} (looked for {files[0]}[.gz] and "
-            f"{files[1]}[.gz] in {_fmt_dirs(dirs)}; pass download=True to fetch them)"
+            f"{files[1]}[.gz] in {_fmt_dirs(dirs)}; {FETCH_HINT})"
         )
     x, y = read_idx(found[0]), read_idx(found[1])
     ds = _idx_dataset(name, x, y, EMNIST_SPLITS[split], found)
@@ -371,7 +374,7 @@ def _load_cifar(name: str, root: Path | None, train: bool, download: bool) -> Da
     if found is None:
         raise DataError(
             f"dataset '{name}': no pickle batches in {root} (looked for {', '.join(files)} "
-            f"in {_fmt_dirs(dirs)}; pass download=True to fetch them)"
+            f"in {_fmt_dirs(dirs)}; {FETCH_HINT})"
         )
     xs, ys = [], []
     for p in found:

@@ -424,6 +424,8 @@ def test_missing_root_names_dataset_and_path(tmp_path, name):
     with pytest.raises(DataError) as e:
         load_dataset(name, missing, train=True)
     assert str(missing) in str(e.value) and name.split(":")[0] in str(e.value)
+    if name.split(":")[0] in ("mnist", "fashion_mnist", "emnist", "cifar10", "cifar100"):  # torchvision fetches
+        assert "data.root" in str(e.value) and "data.download: true" in str(e.value)  # the scenario's fields
 
 
 def test_no_root_and_unknown_name():
