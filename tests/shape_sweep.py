@@ -36,7 +36,8 @@ folder was made must be refused with one line. That doubles the time.
 
 Prints one line a run (seconds, exit code, verdict) and exits 1 if any run is a finding.
 --out F.json writes the shapes, the verdicts, each run's last output line and the distinct
-warnings of its run.log (a count of them on the line printed); --keep DIR
+warnings of its run.log (a count of them on the line printed) and the methods no update
+ever reached (every round returned nobody: named on the line); --keep DIR
 keeps the scenario files and run folders (default: a temporary folder, removed). Add a
 regression test in tests/test_*.py for every finding fixed.
 """
@@ -232,7 +233,19 @@ def run_one(scenario: Path, run_dir: Path, timeout: float) -> dict:
         "problems": problems,
         "last_line": last,
         "warnings": warnings(run_dir),
+        "untrained": untrained(run_dir) if code == 0 else [],
     }
+
+
+def untrained(run_dir: Path) -> list[str]:
+    """Methods that no client's update ever reached (every round returned 0): not findings
+    (a deadline or a crash may cause it on purpose), but a shape that tested little of them."""
+    idle = []
+    for metrics in sorted(run_dir.glob("*/metrics.jsonl")):
+        rounds = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        if rounds and all(r.get("returned") == 0 for r in rounds):
+            idle.append(metrics.parent.name)
+    return idle
 
 
 def warnings(run_dir: Path) -> list[str]:
@@ -324,6 +337,7 @@ def main() -> int:
             verdict += f" (resumed: {row['resume']})" if "resume" in row else ""
             said = len(row["warnings"])
             verdict += f" [{said} warning{'s' * (said > 1)} in run.log]" if said else ""
+            verdict += f" [never trained: {', '.join(row['untrained'])}]" if row["untrained"] else ""
             print(f"shape {i:3d}  {row['seconds']:6.1f} s  exit {row['exit']}  {verdict}  | {row['last_line'][:90]}")
     findings = [r for r in rows if r["problems"]]
     print(

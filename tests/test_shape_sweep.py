@@ -65,6 +65,14 @@ def test_the_sweep_shows_each_distinct_warning_of_a_runs_log(tmp_path):
     assert shape_sweep.warnings(tmp_path / "nowhere") == []
 
 
+def test_the_sweep_names_methods_that_no_update_ever_reached(tmp_path):
+    for label, returned in {"fedavg": [0, 0, 0], "flt": [0, 2, 0], "ifca": []}.items():
+        (tmp_path / label).mkdir()
+        lines = [json.dumps({"method": label, "round": i + 1, "returned": n}) for i, n in enumerate(returned)]
+        (tmp_path / label / "metrics.jsonl").write_text("".join(f"{line}\n" for line in lines))
+    assert shape_sweep.untrained(tmp_path) == ["fedavg"]  # flt trained once; ifca recorded no round yet
+
+
 @pytest.mark.slow
 def test_a_resume_that_ends_elsewhere_than_the_uninterrupted_run_is_a_finding(tmp_path):
     """The probe's --kill-resume on the quickstart: stopped and resumed, the run ends
