@@ -44,18 +44,29 @@ def spread(
     holders: Mapping[int, Collection[str]],
     live: Collection[str],
     cost: Callable[[int], float],
+    late: Collection[str] = (),
 ) -> dict[int, str]:
     """The device each client's task goes to. Every task starts on its client's `home`;
     then, while the most loaded live device (by `cost`: a client's training samples) has a
     `movable` task that another live device holding its shard could take and so lower that
     peak, the move that lowers it most is made. An even cohort stays where it is hosted,
-    and a client whose home is not live stays there (lost with its device)."""
+    and a client whose home is not live stays there (lost with its device).
+
+    A `late` device (live, but it left replies owed when an exchange timed out: frozen,
+    or cut off) takes no moved task, and its own movable tasks go first to the least
+    loaded other holder: sent to it, they would wait out the timeout and be lost, and
+    where a task runs does not change its result."""
     dest = dict(home)
-    load = dict.fromkeys(sorted(live), 0.0)
+    load = dict.fromkeys(sorted(set(live) - set(late)), 0.0)
     for c, d in home.items():
         if d in load:
             load[d] += cost(c)
-    free = sorted((c for c in movable if home[c] in load), key=lambda c: (-cost(c), c))
+    by_cost = sorted(movable, key=lambda c: (-cost(c), c))
+    for c in (c for c in by_cost if home[c] in late):
+        if spare := [d for d in holders.get(c, ()) if d in load]:
+            dest[c] = min(spare, key=lambda d: (load[d], d))
+            load[dest[c]] += cost(c)
+    free = [c for c in by_cost if dest[c] in load]
     while (move := _best_move(dest, free, holders, load, cost)) is not None:
         c, d = move
         load[dest[c]] -= cost(c)

@@ -148,6 +148,7 @@ class Transport:
         self.sent_to: dict[int, str] = {}  # client id -> device its latest task went to, if not its host
         self.moved = 0  # tasks run by a device other than their client's host, over the run
         self.lost_devices: set[str] = set()
+        self.late: set[str] = set()  # owed replies when an exchange timed out; until they next send (routing.py)
         self.lost_why: dict[str, str] = {}  # device -> why it was lost, for the run's last error
         self.batches = itertools.count(1)  # set-up's; each method takes its own range (start_method)
         # the emulator's own exchanges (checkpoint snapshots) count down from -2, apart from
@@ -236,10 +237,24 @@ class Transport:
                 ident = admitted
             if msg.kind != "hello" and ident not in self.devices:
                 self.reject("unknown device", ident, size, f"{msg.kind} (client {msg.client})")
-            elif msg.client >= 0 and ident not in (self.client_device.get(msg.client), self.sent_to.get(msg.client)):
+                continue
+            if ident in self.late:  # anything it sends, a stale reply too: it is back
+                self.late.discard(ident)
+                log.info("%s answers again: it takes moved tasks again", ident)
+            if msg.client >= 0 and ident not in (self.client_device.get(msg.client), self.sent_to.get(msg.client)):
                 self.reject("wrong client", ident, size, self._whose(msg))
             else:
                 return ident, msg, size
+
+    def _mark_late(self, devices: set[str]) -> None:
+        """Devices that left replies owed at a timeout: until they next send anything,
+        their movable tasks run on other holders of the shards, and none is moved to them."""
+        for device in sorted(devices - self.late - self.lost_devices):
+            log.warning(
+                "%s is late: until it answers again, its clients' training runs on other devices holding their shards",
+                device,
+            )
+        self.late |= devices - self.lost_devices
 
     def _whose(self, msg: Message) -> str:
         host, sent = self.client_device.get(msg.client), self.sent_to.get(msg.client)
@@ -387,7 +402,9 @@ class Transport:
         batch = next(self.own_batches if own else self.batches)
         home = {c: self.client_device[c] for c in tasks}
         movable = [c for c in movable if c in tasks and c not in self.pinned]
-        dest = spread(home, movable, self.holders, self.active_devices(), cost or (lambda c: 1.0)) if movable else home
+        dest = home
+        if movable:
+            dest = spread(home, movable, self.holders, self.active_devices(), cost or (lambda c: 1.0), self.late)
         by_device: dict[str, list[int]] = defaultdict(list)
         for cid in tasks:
             by_device[dest[cid]].append(cid)
@@ -432,6 +449,7 @@ class Transport:
                         timeout_s,
                         sorted(waiting)[:20],
                     )
+                    self._mark_late({dest[c] for c in waiting})
                     break
                 continue
             ident, msg, size = got

@@ -69,6 +69,60 @@ def test_a_task_goes_only_where_the_shard_is_and_never_to_a_lost_device():
     assert set(dest.values()) <= {"a", "b", "gone"} and "b" in {dest[1], dest[2]}
 
 
+def test_a_late_devices_movable_tasks_go_to_other_holders_and_none_is_moved_to_it():
+    home = {0: "a", 1: "a", 2: "a", 3: "a", 4: "b", 5: "a", 6: "a"}
+    holders = dict.fromkeys(range(6), ("a", "b", "c")) | {6: ("a",)}
+    dest = spread(home, range(5), holders, ("a", "b", "c"), lambda c: 1.0, late=("a",))
+    assert [dest[c] for c in (5, 6)] == ["a", "a"]  # not movable, or no other holder: it waits for its host
+    assert "a" not in {dest[c] for c in range(5)}  # 4 of b's would even the loads out onto a: not to a late one
+    assert sorted(loads({c: dest[c] for c in range(5)}, lambda c: 1.0).values()) == [2, 3]
+    assert spread(home, range(5), holders, ("a", "b", "c"), lambda c: 1.0) != dest  # on time, a keeps its own
+
+
+def test_a_device_that_timed_out_gets_no_movable_task_until_it_answers_again():
+    """A frozen device (SIGSTOP, a host cut off) is alive but answers nothing: a timed-out
+    exchange marks it late. Its clients' training then ran there again each round, waited
+    out the timeout and was lost, and the balancer even moved other hosts' tasks to it."""
+    server = Transport()
+    stop, frozen = threading.Event(), threading.Event()
+    got_tasks: dict[str, list[int]] = {"dev-a": [], "dev-b": []}
+
+    def device(name):
+        def answer(task):
+            while name == "dev-a" and frozen.is_set() and not stop.is_set():
+                time.sleep(0.02)  # stopped, as by SIGSTOP: its tasks wait in the socket
+            got_tasks[name].append(task.client)
+            return [Message("metrics", 0, task.client, meta={"batch": task.meta["batch"]})]
+
+        return answer
+
+    threads = [threading.Thread(target=_serve, args=(server.endpoint, n, device(n), stop)) for n in got_tasks]
+    for t in threads:
+        t.start()
+    try:
+        server.wait_devices(2, timeout_s=10)
+        server.client_device.update(dict.fromkeys(range(4), "dev-a"))
+        server.holders.update(dict.fromkeys(range(4), ("dev-a", "dev-b")))
+        tasks = {c: Message("evaluate", 0, c) for c in range(4)}
+        frozen.set()
+        first = server.gather(tasks, "metrics", 0.5, movable=range(4))
+        assert len(first) == 2 and server.late == {"dev-a"}  # dev-a's half was lost
+        got_tasks["dev-b"].clear()
+        assert sorted(server.gather(tasks, "metrics", 10, movable=range(4))) == [0, 1, 2, 3]
+        assert sorted(got_tasks["dev-b"]) == [0, 1, 2, 3]  # all on dev-b: none waited for dev-a
+        frozen.clear()  # it wakes and answers its old tasks: stale, but it is back
+        server.gather({0: Message("evaluate", 0, 0)}, "metrics", 10)  # its host's own task: it waits it out
+        assert not server.late
+        got_tasks["dev-a"].clear()
+        assert sorted(server.gather(tasks, "metrics", 10, movable=range(4))) == [0, 1, 2, 3]
+        assert len(got_tasks["dev-a"]) == 2  # the work is shared again
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        server.sock.close(linger=0)
+
+
 def test_a_routed_task_is_answered_only_by_the_device_it_went_to():
     """dev-a hosts every client and forges a reply for each task it did not get; the
     replies that count are dev-b's, and the forgeries are rejected, apart from the traffic."""
