@@ -1,6 +1,7 @@
 """Where each client's task runs (server/routing.py): the cohort's work spread over the
 devices that hold the clients' shards, without changing who may answer for a client."""
 
+import contextlib
 import threading
 import time
 
@@ -69,6 +70,26 @@ def test_a_task_goes_only_where_the_shard_is_and_never_to_a_lost_device():
     assert set(dest.values()) <= {"a", "b", "gone"} and "b" in {dest[1], dest[2]}
 
 
+@contextlib.contextmanager
+def _holders_of_dev_as_clients(device, stop: threading.Event):
+    """A server and two device threads answering each task with device(name)(task):
+    dev-a hosts clients 0-3 and dev-b also holds their shards."""
+    server = Transport()
+    threads = [threading.Thread(target=_serve, args=(server.endpoint, n, device(n), stop)) for n in ("dev-a", "dev-b")]
+    for t in threads:
+        t.start()
+    try:
+        server.wait_devices(2, timeout_s=10)
+        server.client_device.update(dict.fromkeys(range(4), "dev-a"))
+        server.holders.update(dict.fromkeys(range(4), ("dev-a", "dev-b")))
+        yield server
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        server.sock.close(linger=0)
+
+
 def test_a_late_devices_movable_tasks_go_to_other_holders_and_none_is_moved_to_it():
     home = {0: "a", 1: "a", 2: "a", 3: "a", 4: "b", 5: "a", 6: "a"}
     holders = dict.fromkeys(range(6), ("a", "b", "c")) | {6: ("a",)}
@@ -83,7 +104,6 @@ def test_a_device_that_timed_out_gets_no_movable_task_until_it_answers_again():
     """A frozen device (SIGSTOP, a host cut off) is alive but answers nothing: a timed-out
     exchange marks it late. Its clients' training then ran there again each round, waited
     out the timeout and was lost, and the balancer even moved other hosts' tasks to it."""
-    server = Transport()
     stop, frozen = threading.Event(), threading.Event()
     got_tasks: dict[str, list[int]] = {"dev-a": [], "dev-b": []}
 
@@ -96,13 +116,7 @@ def test_a_device_that_timed_out_gets_no_movable_task_until_it_answers_again():
 
         return answer
 
-    threads = [threading.Thread(target=_serve, args=(server.endpoint, n, device(n), stop)) for n in got_tasks]
-    for t in threads:
-        t.start()
-    try:
-        server.wait_devices(2, timeout_s=10)
-        server.client_device.update(dict.fromkeys(range(4), "dev-a"))
-        server.holders.update(dict.fromkeys(range(4), ("dev-a", "dev-b")))
+    with _holders_of_dev_as_clients(device, stop) as server:
         tasks = {c: Message("evaluate", 0, c) for c in range(4)}
         frozen.set()
         first = server.gather(tasks, "metrics", 0.5, movable=range(4))
@@ -116,17 +130,11 @@ def test_a_device_that_timed_out_gets_no_movable_task_until_it_answers_again():
         got_tasks["dev-a"].clear()
         assert sorted(server.gather(tasks, "metrics", 10, movable=range(4))) == [0, 1, 2, 3]
         assert len(got_tasks["dev-a"]) == 2  # the work is shared again
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-        server.sock.close(linger=0)
 
 
 def test_a_routed_task_is_answered_only_by_the_device_it_went_to():
     """dev-a hosts every client and forges a reply for each task it did not get; the
     replies that count are dev-b's, and the forgeries are rejected, apart from the traffic."""
-    server = Transport()
     stop = threading.Event()
     got_tasks: dict[str, list[int]] = {"dev-a": [], "dev-b": []}
 
@@ -142,13 +150,7 @@ def test_a_routed_task_is_answered_only_by_the_device_it_went_to():
         hosted: list[int] = got_tasks[name]
         return answer
 
-    threads = [threading.Thread(target=_serve, args=(server.endpoint, n, device(n), stop)) for n in got_tasks]
-    for t in threads:
-        t.start()
-    try:
-        server.wait_devices(2, timeout_s=10)
-        server.client_device.update(dict.fromkeys(range(4), "dev-a"))
-        server.holders.update(dict.fromkeys(range(4), ("dev-a", "dev-b")))
+    with _holders_of_dev_as_clients(device, stop) as server:
         server.pinned.add(3)  # its host holds more than the shard: it never moves
         time.sleep(0.2)
         tasks = {c: Message("evaluate", 0, c) for c in range(4)}
@@ -162,11 +164,6 @@ def test_a_routed_task_is_answered_only_by_the_device_it_went_to():
         assert sum(reasons.values()) == len(got_tasks["dev-b"]) and set(reasons) <= {"wrong client", "stale"}
         assert server.ledger.totals()["up"]["evaluation"]["messages"] == 4  # forgeries are not traffic
         assert server.moved == len(got_tasks["dev-b"])
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-        server.sock.close(linger=0)
 
 
 def test_drift_pins_a_client_to_its_host():
