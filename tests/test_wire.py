@@ -190,9 +190,13 @@ def test_a_set_up_message_from_a_device_no_wait_is_for_is_rejected_not_billed():
     try:
         server.wait_devices(2, timeout_s=10)
         old.send_multipart(encode(Message("ready", meta={"clients": [9]})))
-        time.sleep(0.3)  # read first: the newcomer's own ready ends the wait
-        new.send_multipart(encode(Message("ready", meta={"clients": [0]})))
+        time.sleep(0.3)  # queued at the server before the wait starts
+        # the newcomer's own ready ends the wait: sent once the wait has read the stray one
+        # (a socket fair-queues its peers, so two queued messages may be read in either order)
+        later = threading.Timer(0.5, lambda: new.send_multipart(encode(Message("ready", meta={"clients": [0]}))))
+        later.start()
         assert _await_ready(server, {"dev-new": [0]}, 10) == {}
+        later.join()
         reasons = {r: v["messages"] for r, v in server.rejections.summary()["rejected_reasons"].items()}
         assert reasons == {"not awaited": 1}
         up = server.ledger.totals()["up"]
