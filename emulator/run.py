@@ -432,6 +432,7 @@ def _run_scenario(
                 "run_dir": str(run_dir),
                 "device_exit_codes": fleet.exit_codes(),
                 "tasks_off_host": transport.moved,  # server/routing.py: tasks run where their client is not hosted
+                "tasks_resent": transport.resent,  # sent again because their device was late: not billed
             }
             summary["rejected"] = transport.rejections.summary()  # the whole run's, start-up included
             summary["security"] = transport.gate.report()

@@ -147,6 +147,7 @@ class Transport:
         self.pinned: set[int] = set()  # clients whose host now holds more than the shard (routing.py)
         self.sent_to: dict[int, str] = {}  # client id -> device its latest task went to, if not its host
         self.moved = 0  # tasks run by a device other than their client's host, over the run
+        self.resent = 0  # tasks sent again, unbilled, because their device was late (_resend)
         self.lost_devices: set[str] = set()
         self.late: set[str] = set()  # owed replies when an exchange timed out; until they next send (routing.py)
         self.lost_why: dict[str, str] = {}  # device -> why it was lost, for the run's last error
@@ -166,7 +167,7 @@ class Transport:
         self._due: list[tuple[str, set[str] | None]] = []
 
     # -- raw send / receive -----------------------------------------------------------
-    def send(self, device: str, msg: Message) -> None:
+    def send(self, device: str, msg: Message, billed: bool = True) -> None:
         frames = encode(msg)
         payload, header = frame_bytes(frames)
         ident = self.routes.get(device)
@@ -179,7 +180,8 @@ class Transport:
                 raise DeviceLost(f"device {device!r} stopped reading (its queue stayed full)") from None
             except zmq.ZMQError as exc:
                 raise DeviceLost(f"device {device!r} is not connected ({exc})") from None
-            self.ledger.add(msg.round, msg.client, "down", msg.traffic, payload, header + len(ident))
+            if billed:
+                self.ledger.add(msg.round, msg.client, "down", msg.traffic, payload, header + len(ident))
         if msg.kind in PINNING_KINDS and (msg.kind == "drift" or msg.tensors or msg.meta.get("flag")):
             self.pinned.add(msg.client)  # its data moved, or its host keeps a model or flag for it
 
@@ -397,8 +399,11 @@ class Transport:
 
         `timeout_s` is a liveness guard, not a deadline: while a device on this machine that
         owes replies is still using CPU, the wait goes on (up to `PATIENCE` times
-        `timeout_s`), so a slow or busy machine drops no client and changes no result.
-        `strict`: cut at `timeout_s` whatever the devices do (real-time mode's deadline)."""
+        `timeout_s`), so a slow or busy machine drops no client and changes no result. A
+        device that still owes replies when it runs out is late (`_mark_late`): its movable
+        tasks go once more, unbilled, to other holders of their shards (`_resend`), and the
+        wait goes on for them. `strict`: cut at `timeout_s` whatever the devices do
+        (real-time mode's deadline)."""
         batch = next(self.own_batches if own else self.batches)
         home = {c: self.client_device[c] for c in tasks}
         movable = [c for c in movable if c in tasks and c not in self.pinned]
@@ -412,27 +417,12 @@ class Transport:
         # owed from the first send on, not only once the wait starts: a checkpoint's gather
         # follows the round's record at once, so an interrupt timed by that record falls here
         self._owed = (batch, waiting, dest)  # stays only if an interrupt ends the gather
-        for device, cids in by_device.items():
-            if device in self.lost_devices:
-                continue
-            try:
-                for i, cid in enumerate(cids):
-                    msg = tasks[cid]
-                    msg.meta = {**msg.meta, "batch": batch, "last": int(i == len(cids) - 1)}
-                    waiting.add(cid)  # before the send: an interrupt held back through it comes right after
-                    self.send(device, msg)
-                    if device == home[cid]:
-                        self.sent_to.pop(cid, None)
-                    else:
-                        self.sent_to[cid] = device
-                        self.moved += 1
-            except DeviceLost as exc:
-                waiting.difference_update(cids)
-                self.lose(device, str(exc))
+        self._send_tasks(tasks, by_device, batch, waiting)
         results: dict[int, Message] = {}
         start = time.monotonic()
         deadline = start + timeout_s
         marks = None if strict or timeout_s < MIN_JUDGED_S else self._cpu_marks({dest[c] for c in waiting})
+        resent = 0
         while waiting:
             got = self._next(min(time.monotonic() + 0.5, deadline))
             if got is None:
@@ -441,6 +431,12 @@ class Transport:
                     if marks is not None and self._still_computing(waiting, dest, marks, timeout_s, start):
                         deadline = time.monotonic() + timeout_s
                         continue
+                    if not strict:  # a real-time deadline's stragglers are the emulation, not a fault
+                        self._mark_late({dest[c] for c in waiting})
+                        if not resent and (resent := self._resend(tasks, waiting, dest, movable, batch, cost)):
+                            deadline = time.monotonic() + timeout_s
+                            marks = marks and self._cpu_marks({dest[c] for c in waiting})
+                            continue
                     log.error(
                         "%s: %d clients did not answer within %.1f s (timeout %g s): %s",
                         reply if isinstance(reply, str) else "/".join(sorted(set(reply.values()))),
@@ -449,8 +445,6 @@ class Transport:
                         timeout_s,
                         sorted(waiting)[:20],
                     )
-                    if not strict:  # a real-time deadline's stragglers are the emulation, not a fault
-                        self._mark_late({dest[c] for c in waiting})
                     break
                 continue
             ident, msg, size = got
@@ -479,6 +473,63 @@ class Transport:
                 on_reply(msg.client, msg)
         self._owed = None
         return results
+
+    def _send_tasks(
+        self,
+        tasks: dict[int, Message],
+        by_device: Mapping[str, list[int]],
+        batch: int,
+        waiting: set[int],
+        billed: bool = True,
+    ) -> None:
+        """Send each device its clients' tasks of `batch`, the last one marked; a device
+        found gone is lost and its clients are no longer awaited."""
+        for device, cids in by_device.items():
+            if device in self.lost_devices:
+                continue
+            try:
+                for i, cid in enumerate(cids):
+                    msg = tasks[cid]
+                    msg.meta = {**msg.meta, "batch": batch, "last": int(i == len(cids) - 1)}
+                    waiting.add(cid)  # before the send: an interrupt held back through it comes right after
+                    self.send(device, msg, billed)
+                    if device == self.client_device[cid]:
+                        self.sent_to.pop(cid, None)
+                    else:
+                        self.sent_to[cid] = device
+                        self.moved += 1
+            except DeviceLost as exc:
+                waiting.difference_update(cids)
+                self.lose(device, str(exc))
+
+    def _resend(
+        self,
+        tasks: dict[int, Message],
+        waiting: set[int],
+        dest: dict[int, str],
+        movable: list[int],
+        batch: int,
+        cost: Callable[[int], float] | None,
+    ) -> int:
+        """At a timeout, once per exchange: the awaited movable tasks of devices now late,
+        sent again to other devices holding the shards, so that a frozen device costs no
+        update (a task's result does not depend on where it runs). Not billed: a broken
+        device must not cost the method traffic. How many tasks went again."""
+        stuck = {c: dest[c] for c in sorted(waiting.intersection(movable))}
+        again = spread(stuck, stuck, self.holders, self.active_devices(), cost or (lambda c: 1.0), self.late)
+        moved = {c: d for c, d in again.items() if d != stuck[c]}
+        if not moved:
+            return 0
+        log.warning(
+            "%d tasks sent again to other devices holding their shards (clients %s)", len(moved), sorted(moved)[:20]
+        )
+        dest.update(moved)  # before the sends: an interrupt expects their replies from there
+        by_device: dict[str, list[int]] = defaultdict(list)
+        for c, d in moved.items():
+            by_device[d].append(c)
+        self._send_tasks(tasks, by_device, batch, waiting, billed=False)
+        self.resent += len(moved)
+        return len(moved)
 
     @staticmethod
     def _unwanted(msg: Message, batch: int, waiting: set[int], reply: str) -> tuple[str, str] | None:

@@ -102,8 +102,10 @@ def test_a_late_devices_movable_tasks_go_to_other_holders_and_none_is_moved_to_i
 
 def test_a_device_that_timed_out_gets_no_movable_task_until_it_answers_again():
     """A frozen device (SIGSTOP, a host cut off) is alive but answers nothing: a timed-out
-    exchange marks it late. Its clients' training then ran there again each round, waited
-    out the timeout and was lost, and the balancer even moved other hosts' tasks to it."""
+    exchange marks it late and sends its movable tasks once more, unbilled, to another
+    holder. Its clients' training was lost in that exchange, then ran there again each
+    round, waited out the timeout and was lost, and the balancer even moved other hosts'
+    tasks to it."""
     stop, frozen = threading.Event(), threading.Event()
     got_tasks: dict[str, list[int]] = {"dev-a": [], "dev-b": []}
 
@@ -120,7 +122,9 @@ def test_a_device_that_timed_out_gets_no_movable_task_until_it_answers_again():
         tasks = {c: Message("evaluate", 0, c) for c in range(4)}
         frozen.set()
         first = server.gather(tasks, "metrics", 0.5, movable=range(4))
-        assert len(first) == 2 and server.late == {"dev-a"}  # dev-a's half was lost
+        assert sorted(first) == [0, 1, 2, 3] and server.late == {"dev-a"} and server.resent == 2
+        assert sorted(got_tasks["dev-b"]) == [0, 1, 2, 3]  # dev-a's half went again, to dev-b
+        assert server.ledger.totals()["down"]["evaluation"]["messages"] == 4  # the second sends are not billed
         got_tasks["dev-b"].clear()
         assert sorted(server.gather(tasks, "metrics", 10, movable=range(4))) == [0, 1, 2, 3]
         assert sorted(got_tasks["dev-b"]) == [0, 1, 2, 3]  # all on dev-b: none waited for dev-a

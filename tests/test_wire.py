@@ -343,8 +343,8 @@ def _stop_reading_cpu_time(server: Transport) -> None:
 def _stop_after_the_last_send(server: Transport) -> None:
     send = server.send
 
-    def send_then_stop(device, msg):
-        send(device, msg)
+    def send_then_stop(device, msg, billed=True):
+        send(device, msg, billed)
         if msg.meta["last"]:
             raise KeyboardInterrupt
 
