@@ -42,6 +42,12 @@ LOG_FIRST, LOG_EVERY_S = 5, 10.0  # rejections logged one by one, then summarise
 # device reads every task as it comes (it computes only once a batch is whole), so a queue
 # still full after this long means the device is stuck: it is lost, the run goes on.
 SEND_TIMEOUT_S = 30.0
+# A connection that answers no ping for HEARTBEAT_S[1] seconds (pinged every HEARTBEAT_S[0])
+# is closed: its device is frozen or its host is gone without closing the connection (libzmq
+# answers pings in its own thread, so a device busy computing still does). The next send
+# to it finds it lost, so a vanished device stops costing every exchange a timeout. A
+# shorter stop only makes a device late (Transport._resend).
+HEARTBEAT_S = (10.0, 60.0)
 # A gather's timeout is a liveness guard: a device on this machine still using CPU when it
 # runs out is waited for, window after window, up to PATIENCE timeouts in all. Windows under
 # MIN_JUDGED_S are cut as before: /proc counts CPU time in 1/100 s ticks.
@@ -122,6 +128,7 @@ class Transport:
         gate: Gate | None = None,
         max_inbound: int = MAX_HEADER_BYTES,
         send_timeout_s: float = SEND_TIMEOUT_S,
+        heartbeat_s: tuple[float, float] = HEARTBEAT_S,
     ):
         self.gate = gate or Gate(curve=False)  # who may connect, under which name (server/auth.py)
         self.ctx = self.gate.ctx
@@ -129,6 +136,8 @@ class Transport:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone device raises, not drops
         self.sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))  # zmq.Again: it stopped reading
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s[0] * 1000))  # before bind, as CURVE's
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_s[1] * 1000))
         self.gate.secure(self.sock)  # CURVE must be set before bind
         self._limit_inbound(max_inbound)  # so must the size limit: the listener copies it
         try:

@@ -180,6 +180,35 @@ def _dealer(endpoint: str, name: str, hello: bool = True):
     return s
 
 
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_frozen_device_is_found_lost_once_it_answers_no_heartbeat(frozen):
+    """A device stopped for good (SIGSTOP; a host powered off looks the same) kept its
+    connection: each exchange that only it could answer waited out the round timeout, for
+    the rest of the run. A connection that answers no ping is now closed, and the next send
+    finds the device lost; an idle device that answers pings stays."""
+    server = Transport(heartbeat_s=(0.2, 1.0))
+    code = (
+        "import time, zmq; from flt.common.wire import Message, encode; "
+        f"s = zmq.Context().socket(zmq.DEALER); s.connect({server.endpoint!r}); "
+        "s.send_multipart(encode(Message('hello', meta={'name': 'dev-a'}))); time.sleep(60)"
+    )
+    device = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        server.wait_devices(1, timeout_s=60)
+        if frozen:
+            device.send_signal(signal.SIGSTOP)
+        time.sleep(2.5)  # two ping intervals and the timeout, with room
+        if frozen:
+            with pytest.raises(DeviceLost, match="not connected"):
+                server.send("dev-a", Message("evaluate", 0, 0))
+        else:
+            server.send("dev-a", Message("evaluate", 0, 0))  # still there
+    finally:
+        device.kill()
+        device.wait()
+        server.sock.close(linger=0)
+
+
 def test_a_set_up_message_from_a_device_no_wait_is_for_is_rejected_not_billed():
     """While a newcomer loads its clients (the method's traffic is billed), another device's
     stray `ready` was counted in the ledger and dropped: a broken device billed the method."""
