@@ -388,11 +388,9 @@ def _run_scenario(
     init, model_spec = initial_weights(cfg, train)
     session = Session(cfg, run_dir, init, model_spec, partition.n_clients)
     transport, fleet = session.transport, session.fleet
-    summary = (
-        report.finished_methods(run_dir, cfg)
-        if resume
-        else {"scenario": cfg["name"], "methods": {}, "partition_notes": partition.notes}
-    )
+    summary = report.finished_methods(run_dir, cfg) if resume else {"scenario": cfg["name"], "methods": {}}
+    # from partition.npz on a resume too: a run stopped before its first summary has none
+    summary["partition_notes"] = partition.notes
     try:
         late = np.concatenate(list(schedule.arrivals.values())) if schedule.arrivals else np.zeros(0, np.int64)
         first = np.setdiff1d(np.arange(partition.n_clients), late)

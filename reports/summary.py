@@ -156,7 +156,7 @@ def finished_methods(run_dir: Path, cfg: dict) -> dict:
         and m.get("rounds") == cfg["train"]["rounds"]
         and (run_dir / label / "metrics.jsonl").is_file()
     }
-    return {"scenario": cfg["name"], "methods": done, "partition_notes": summary.get("partition_notes", [])}
+    return {"scenario": cfg["name"], "methods": done}
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:

@@ -30,6 +30,7 @@ from flt.emulator.clock import EmulatedClock
 from flt.emulator.config import parse_methods
 from flt.emulator.population import Population, Schedule
 from flt.reports.summary import finished_methods, read_metrics, split_timing
+from flt.scenarios.partition import Partition
 from flt.server import checkpoint
 from flt.server.checkpoint import CheckpointError
 from flt.server.federation import CheckpointPacer
@@ -370,6 +371,24 @@ def test_a_method_stopped_between_its_last_checkpoint_and_its_summary_is_kept_on
     assert res.returncode == 0, res.stderr
     assert "== fedavg == (resumed)" in res.stdout and "fedavg " in res.stdout.splitlines()[-1]
     assert results_without_timing(copy) == results_without_timing(finished_run)
+
+
+def test_a_run_stopped_before_its_first_summary_keeps_its_partition_notes_on_resume(finished_run, tmp_path):
+    """The partition's notes (a class short of test images, ...) were taken from the old
+    summary.json on a resume; a run stopped before its first summary resumed without them
+    (found by tests/shape_sweep.py, seed 12 shape 14: SIGKILL at 7.5 s). They come from the
+    saved partition now."""
+    copy = tmp_path / "copy"
+    shutil.copytree(finished_run, copy)
+    saved = Partition.load(copy / "partition.npz")
+    saved.notes = ["test class 0: 6 clients need 90 test images (15 each), only 45 available"]
+    saved.save(copy / "partition.npz")
+    (copy / "summary.json").unlink()  # as if stopped in the first method's rounds
+    res = flt_cli("run", "--resume", str(copy))
+    assert res.returncode == 0, res.stderr
+    summary = json.loads((copy / "summary.json").read_text())
+    assert summary["partition_notes"] == saved.notes and list(summary)[:3] == ["scenario", "methods", "partition_notes"]
+    assert results_without_timing(copy)["fedavg"] == results_without_timing(finished_run)["fedavg"]
 
 
 def test_a_new_run_into_a_folder_holding_another_runs_results_is_refused(finished_run, tmp_path):
