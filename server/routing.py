@@ -85,6 +85,8 @@ def _best_move(
     """(client, device): the move off the most loaded device that lowers its load's peak
     the most, or None when none does. Each move lowers the sum of squared loads: the
     loop ends."""
+    if not free:  # nothing to move (every device that could take a task is late, or none is live)
+        return None
     top = max(load, key=lambda d: (load[d], d))
     best: tuple[float, str, int] | None = None
     for c in free:

@@ -159,6 +159,7 @@ class Transport:
         self.resent = 0  # tasks sent again, unbilled, because their device was late (_resend)
         self.lost_devices: set[str] = set()
         self.late: set[str] = set()  # owed replies when an exchange timed out; until they next send (routing.py)
+        self._was_late: set[str] = set()  # late at least once this run (warned)
         self.lost_why: dict[str, str] = {}  # device -> why it was lost, for the run's last error
         self.batches = itertools.count(1)  # set-up's; each method takes its own range (start_method)
         # the emulator's own exchanges (checkpoint snapshots) count down from -2, apart from
@@ -261,11 +262,14 @@ class Transport:
         """Devices that left replies owed at a timeout: until they next send anything,
         their movable tasks run on other holders of the shards, and none is moved to them."""
         for device in sorted(devices - self.late - self.lost_devices):
-            log.warning(
+            log.log(
+                logging.INFO if device in self._was_late else logging.WARNING,  # warned once a run: a short
+                # timeout can make a device late at every exchange
                 "%s is late: until it answers again, its clients' training runs on other devices holding their shards",
                 device,
             )
         self.late |= devices - self.lost_devices
+        self._was_late |= self.late
 
     def _whose(self, msg: Message) -> str:
         host, sent = self.client_device.get(msg.client), self.sent_to.get(msg.client)

@@ -98,6 +98,8 @@ def test_a_late_devices_movable_tasks_go_to_other_holders_and_none_is_moved_to_i
     assert "a" not in {dest[c] for c in range(5)}  # 4 of b's would even the loads out onto a: not to a late one
     assert sorted(loads({c: dest[c] for c in range(5)}, lambda c: 1.0).values()) == [2, 3]
     assert spread(home, range(5), holders, ("a", "b", "c"), lambda c: 1.0) != dest  # on time, a keeps its own
+    # every device late (a timeout shorter than any answer): nothing can move, all stay home
+    assert spread(home, range(5), holders, ("a", "b", "c"), lambda c: 1.0, late=("a", "b", "c")) == home
 
 
 def test_a_device_that_timed_out_gets_no_movable_task_until_it_answers_again():
