@@ -423,14 +423,11 @@ class Transport:
         dest = home
         if movable:
             dest = spread(home, movable, self.holders, self.active_devices(), cost or (lambda c: 1.0), self.late)
-        by_device: dict[str, list[int]] = defaultdict(list)
-        for cid in tasks:
-            by_device[dest[cid]].append(cid)
         waiting: set[int] = set()
         # owed from the first send on, not only once the wait starts: a checkpoint's gather
         # follows the round's record at once, so an interrupt timed by that record falls here
         self._owed = (batch, waiting, dest)  # stays only if an interrupt ends the gather
-        self._send_tasks(tasks, by_device, batch, waiting)
+        self._send_tasks(tasks, dest, batch, waiting)
         results: dict[int, Message] = {}
         start = time.monotonic()
         deadline = start + timeout_s
@@ -490,13 +487,17 @@ class Transport:
     def _send_tasks(
         self,
         tasks: dict[int, Message],
-        by_device: Mapping[str, list[int]],
+        dest: Mapping[int, str],
         batch: int,
         waiting: set[int],
         billed: bool = True,
     ) -> None:
-        """Send each device its clients' tasks of `batch`, the last one marked; a device
-        found gone is lost and its clients are no longer awaited."""
+        """Send the tasks of the clients in `dest` to their devices, as `batch`, each
+        device's last one marked; a device found gone is lost and its clients are no
+        longer awaited."""
+        by_device: dict[str, list[int]] = defaultdict(list)
+        for cid, device in dest.items():
+            by_device[device].append(cid)
         for device, cids in by_device.items():
             if device in self.lost_devices:
                 continue
@@ -537,10 +538,7 @@ class Transport:
             "%d tasks sent again to other devices holding their shards (clients %s)", len(moved), sorted(moved)[:20]
         )
         dest.update(moved)  # before the sends: an interrupt expects their replies from there
-        by_device: dict[str, list[int]] = defaultdict(list)
-        for c, d in moved.items():
-            by_device[d].append(c)
-        self._send_tasks(tasks, by_device, batch, waiting, billed=False)
+        self._send_tasks(tasks, moved, batch, waiting, billed=False)
         self.resent += len(moved)
         return len(moved)
 
