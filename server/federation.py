@@ -156,7 +156,7 @@ class Federation:
             {c: op.reply_kind for c, op in op_of.items()},
             timeout_s or self.timeout_s,
             check=check,
-            movable=[c for c, op in op_of.items() if op.movable],
+            movable=[c for c, op in op_of.items() if op.movable and not msgs[c].meta.get("resident")],
             cost=None if sizes is None else lambda c: float(sizes(c)[0]),
             strict=strict,
         )

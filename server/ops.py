@@ -48,7 +48,9 @@ class DeviceOp:
     that carries one is rejected. `task_kind`/`reply_kind`: the wire kinds (the built-in
     four keep theirs; every other op is a "task" answered by a "result"). `movable`: the op
     reads nothing of the client's but its shard and the task (no state its host keeps), so
-    any device holding the shard may run it, to even the cohort's work (server/routing.py)."""
+    any device holding the shard may run it, to even the cohort's work and to pass by a
+    device that stopped answering (server/routing.py); a task of it marked `resident` reads
+    the model its host keeps (Local's evaluation), and stays there."""
 
     name: str
     traffic: str = "control"
@@ -112,6 +114,7 @@ EVALUATE = DeviceOp(
     lambda sent, sizes, op: metrics_check(sizes),
     task_kind="evaluate",
     reply_kind="metrics",
+    movable=True,  # the model it is evaluated with travels in the task, unless `resident`
 )
 EMBED = DeviceOp("embed", "embedding", embedded, _embedding, task_kind="encoder", reply_kind="centroids")
 # a checkpoint's question (server/federation.py checks its replies with state_check)

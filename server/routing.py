@@ -7,12 +7,12 @@ model, its change flag, what it embedded, its drifted data) lives on its host al
 Blocks are dealt by training samples (`host_blocks`), not by id: partitions number their
 clients group by group, so contiguous id blocks can give one device most of the data
 (S4 on FEMNIST: 10,813 of 12,773 training images on the first of two devices), and a
-round of device-resident work (Local's training, embedding, evaluation) waits for it.
+round of device-resident work (Local's training and evaluation, embedding) waits for it.
 A round selects clients at random, so the hosts' shares of the cohort are uneven (20 of
 100 clients on 2 devices: the larger share is 1.16x the even one on average), and the
 round waits for the largest. A task whose op reads nothing but the client's shard and
-what the task carries (`DeviceOp.movable`: training from a sent model) may run on any
-device that holds the shard, and does, where that evens the work.
+what the task carries (`DeviceOp.movable`: training or evaluation of a sent model) may run
+on any device that holds the shard, and does, where that evens the work.
 
 Where a task runs never changes its result: each client trains with its own random
 streams, alone in its row of the cohort's stacked models (devices/trainer.py), so a

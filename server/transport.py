@@ -265,7 +265,8 @@ class Transport:
             log.log(
                 logging.INFO if device in self._was_late else logging.WARNING,  # warned once a run: a short
                 # timeout can make a device late at every exchange
-                "%s is late: until it answers again, its clients' training runs on other devices holding their shards",
+                "%s is late: until it answers again, its clients' movable tasks (training, evaluation of a "
+                "sent model) run on other devices holding their shards",
                 device,
             )
         self.late |= devices - self.lost_devices

@@ -6,9 +6,11 @@ import threading
 import time
 
 import numpy as np
+import torch
 from test_wire import _dealer, _serve  # tests/ is on sys.path under pytest
 
 from flt.common.wire import Message
+from flt.server.federation import Federation
 from flt.server.routing import host_blocks, spread
 from flt.server.transport import Transport
 
@@ -139,6 +141,32 @@ def test_a_device_that_timed_out_gets_no_movable_task_until_it_answers_again():
         frozen.set()  # a real-time deadline cuts its stragglers on purpose: that is no fault
         assert server.gather({0: Message("evaluate", 0, 0)}, "metrics", 0.3, strict=True) == {}
         assert not server.late
+
+
+def test_an_evaluation_with_a_sent_model_moves_and_one_of_the_hosts_own_model_stays():
+    """The federation's evaluation: a task that carries the model reads only the client's
+    test shard, so it is spread (and passes by a frozen host); Local's reads the model its
+    host keeps, so it stays there."""
+    stop = threading.Event()
+    got_tasks: dict[str, list[int]] = {"dev-a": [], "dev-b": []}
+
+    def device(name):
+        def answer(task):
+            got_tasks[name].append(task.client)
+            meta = {"batch": task.meta["batch"], "correct": 1.0, "total": 2.0, "loss": 0.5}
+            return [Message("metrics", 0, task.client, meta=meta)]
+
+        return answer
+
+    with _holders_of_dev_as_clients(device, stop) as server:
+        fed = Federation(server, {}, seed=0, timeout_s=10, device=torch.device("cpu"))
+        clients = np.arange(4)
+        sent = fed.evaluate(1, clients, torch.zeros(4, 3), np.arange(4))
+        assert sorted(sent) == [0, 1, 2, 3] and all(m["correct"] == 1.0 for m in sent.values())
+        assert len(got_tasks["dev-a"]) == len(got_tasks["dev-b"]) == 2  # evened out over both holders
+        got_tasks["dev-a"].clear(), got_tasks["dev-b"].clear()
+        assert sorted(fed.evaluate(2, clients, None, np.arange(4))) == [0, 1, 2, 3]
+        assert sorted(got_tasks["dev-a"]) == [0, 1, 2, 3] and not got_tasks["dev-b"]  # the host's own models
 
 
 def test_a_routed_task_is_answered_only_by_the_device_it_went_to():
