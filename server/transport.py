@@ -459,7 +459,9 @@ class Transport:
                     break
                 continue
             ident, msg, size = got
-            if msg.client in waiting and ident != dest[msg.client]:  # its host, when the task went elsewhere
+            # its host, when the task went elsewhere (a late host's answer to an older
+            # exchange's task is stale: `_unwanted` says so)
+            if msg.client in waiting and ident != dest[msg.client] and msg.meta.get("batch") == batch:
                 self.reject("wrong client", ident, size, self._whose(msg))
                 continue
             expected = reply if isinstance(reply, str) else reply.get(msg.client, "")

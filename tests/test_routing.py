@@ -110,13 +110,15 @@ def test_a_device_that_timed_out_gets_no_movable_task_until_it_answers_again():
     holder. Its clients' training was lost in that exchange, then ran there again each
     round, waited out the timeout and was lost, and the balancer even moved other hosts'
     tasks to it."""
-    stop, frozen = threading.Event(), threading.Event()
+    stop, frozen, slow = threading.Event(), threading.Event(), threading.Event()
     got_tasks: dict[str, list[int]] = {"dev-a": [], "dev-b": []}
 
     def device(name):
         def answer(task):
             while name == "dev-a" and frozen.is_set() and not stop.is_set():
                 time.sleep(0.02)  # stopped, as by SIGSTOP: its tasks wait in the socket
+            if name == "dev-b" and slow.is_set():
+                time.sleep(0.5)
             got_tasks[name].append(task.client)
             return [Message("metrics", 0, task.client, meta={"batch": task.meta["batch"]})]
 
@@ -130,9 +132,13 @@ def test_a_device_that_timed_out_gets_no_movable_task_until_it_answers_again():
         assert sorted(got_tasks["dev-b"]) == [0, 1, 2, 3]  # dev-a's half went again, to dev-b
         assert server.ledger.totals()["down"]["evaluation"]["messages"] == 4  # the second sends are not billed
         got_tasks["dev-b"].clear()
+        slow.set()  # dev-a wakes while this exchange waits for dev-b
+        threading.Timer(0.3, frozen.clear).start()
         assert sorted(server.gather(tasks, "metrics", 10, movable=range(4))) == [0, 1, 2, 3]
         assert sorted(got_tasks["dev-b"]) == [0, 1, 2, 3]  # all on dev-b: none waited for dev-a
-        frozen.clear()  # it wakes and answers its old tasks: stale, but it is back
+        # its answers to the first exchange's tasks are stale, not answers for others' clients
+        assert server.rejections.summary()["rejected_reasons"].keys() == {"stale"}
+        slow.clear()
         server.gather({0: Message("evaluate", 0, 0)}, "metrics", 10)  # its host's own task: it waits it out
         assert not server.late
         got_tasks["dev-a"].clear()
