@@ -2,6 +2,7 @@
 server-side pieces (Case I aggregation, vectorized adjacency, Ward clustering) by hand."""
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from flt.server.ops import CHOOSE
 from flt.server.strategies import flt as flt_strategy
 from flt.server.strategies.base import Context, Result, weighted_average
 from flt.server.strategies.fedavg import FedAvg
-from flt.server.strategies.flt import FLT
+from flt.server.strategies.flt import EMBED_RETRIES, FLT
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "scenarios" / "quickstart.yaml"
@@ -264,6 +265,28 @@ def test_an_unassigned_client_with_centroids_joins_the_nearest_cluster(tmp_path)
     s.embed(fed, [5], rnd=1)
     s.train_tasks(2, np.array([5]))
     assert s.labels[5] == s.labels[4]  # client 5 is in planted cluster 1, with client 4
+
+
+def test_a_client_whose_centroids_did_not_come_is_asked_again_at_the_rounds_end(tmp_path):
+    """Its device was frozen through the set-up's embedding: left out, it would train and be
+    evaluated with the global model for the rest of the run. Even with flags off (lambda
+    null) it embeds again at the end of round 1 and joins its cluster."""
+    s, fed = clustered_flt(tmp_path, silent={5}, recluster_flags=None)
+    assert s.labels[5] == -1 and 5 in s.flag_round
+    fed.silent.clear()
+    (event,) = s.maintain(1, fed)
+    assert event["cause"] == "retry" and fed.calls[-1] == (1, [5])
+    assert s.labels[5] == s.labels[4] and not s.flag_round  # client 5 is in planted cluster 1, with 4
+
+
+def test_a_client_that_never_answers_is_asked_a_bounded_number_of_times(tmp_path, caplog):
+    s, fed = clustered_flt(tmp_path, silent={5})
+    with caplog.at_level(logging.WARNING, logger="flt.server"):
+        retries = [s.maintain(rnd, fed) for rnd in range(1, 6)]
+    assert [len(events) for events in retries] == [1] * EMBED_RETRIES + [0] * (5 - EMBED_RETRIES)
+    assert fed.calls[1:] == [(rnd, [5]) for rnd in range(1, EMBED_RETRIES + 1)]
+    assert s.labels[5] == -1 and not s.flag_round
+    assert "client 5 left 4 embedding requests unanswered; it keeps the global model" in caplog.text
 
 
 def test_every_outstanding_flag_re_embeds_and_none_is_stranded(tmp_path):

@@ -55,6 +55,7 @@ from flt.server.strategies.base import (
     Task,
     agreement,
     cluster_average,
+    log,
     one_hot,
     stack,
     weighted_average,
@@ -62,6 +63,8 @@ from flt.server.strategies.base import (
 from flt.server.strategies.flt_dynamics import Reclustering, fcr_cost
 from flt.server.strategies.params import FLT as FLT_PARAMS
 
+# How many times a client whose centroids did not come is asked again, in the rounds after.
+EMBED_RETRIES = 3
 # Columns per block of Case I's product: its temporary is [M, 65536] floats, not [M, P].
 _GRAPH_BLOCK = 1 << 16
 
@@ -93,6 +96,7 @@ class FLT(Reclustering):
         self.halves: dict[int, dict[str, np.ndarray]] = {}
         self.flag_round: dict[int, int] = {}  # outstanding data-change flags: client -> round first seen
         self.monitored: set[int] = set()  # of those, flagged by the server-side monitor
+        self.embed_misses: dict[int, int] = {}  # embedding requests a client left unanswered in a row
         self.payload_bytes, self.centroids_sent, self.encoders_sent = 0, 0, 0
         self.candidates_sent = 0  # models sent for a new cluster's start-model choice
         self.encoder_info: dict = {}
@@ -144,7 +148,25 @@ class FLT(Reclustering):
         for c in got:
             self.flag_round.pop(c, None)
             self.monitored.discard(c)
+            self.embed_misses.pop(c, None)
+        self._ask_again(sorted(set(np.asarray(clients).tolist()) - set(got)), rnd)
         return ex
+
+    def _ask_again(self, missed: list[int], rnd: int) -> None:
+        """Clients whose centroids did not come (their device late or failing, their reply
+        rejected) are flagged, so they embed again at the end of the round (`maintain`):
+        a client left out of the set-up's FCR would train and be evaluated with the global
+        model for the rest of the run. After EMBED_RETRIES unanswered requests in a row the
+        server stops asking (a device that never answers must not cost an encoder a round)."""
+        for c in missed:
+            self.embed_misses[c] = self.embed_misses.get(c, 0) + 1
+            if self.embed_misses[c] <= EMBED_RETRIES:
+                self.flag_round.setdefault(c, rnd)
+            elif self.flag_round.pop(c, None) is not None:
+                self.monitored.discard(c)
+                placed = f"stays in cluster {self.labels[c]}" if self.labels[c] >= 0 else "keeps the global model"
+                asked = EMBED_RETRIES + 1
+                log.warning("%s: client %d left %d embedding requests unanswered; it %s", self.name, c, asked, placed)
 
     def _shares(self, client: int) -> np.ndarray:
         """A centroid's share of its client's samples (equal shares for centroids kept from

@@ -41,6 +41,7 @@ class Reclustering(Strategy):
     fcr_reports: list[dict]
     flag_round: dict[int, int]  # outstanding data-change flags: client -> round first seen
     monitored: set[int]  # of those, flagged by the server-side monitor
+    embed_misses: dict[int, int]  # embedding requests a client left unanswered in a row
     opened: dict[int, int]  # clusters the last placement opened -> their nearest old one
     timeline: list[tuple[int, np.ndarray]]  # (round, labels) at every clustering
     candidates_sent: int  # start-model candidates sent down (counted for expected_bytes)
@@ -191,10 +192,15 @@ class Reclustering(Strategy):
         flagged = self._outstanding(fed.present)
         periodic = bool(tau) and rnd % tau == 0
         waited = lam is not None and any(rnd - self.flag_round[c] >= self.params["flag_patience"] for c in flagged)
-        if not (periodic or waited or (lam is not None and len(flagged) > lam)):
+        # clients that left their last embedding request unanswered (FLT._ask_again): asked
+        # again whatever lambda says
+        unanswered = [c for c in flagged.tolist() if c in self.embed_misses]
+        if not (periodic or waited or unanswered or (lam is not None and len(flagged) > lam)):
             return []
         if periodic:
             cause = "period"
+        elif len(unanswered) == len(flagged):
+            cause = "retry"
         elif set(flagged.tolist()) <= self.monitored:
             cause = "monitor"
         else:
