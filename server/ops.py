@@ -126,6 +126,6 @@ TRAIN_BEST = DeviceOp("train_best", "model", trained, training, movable=True)
 # Local's client step: the model stays on the device between rounds
 TRAIN_RESIDENT = DeviceOp("train_resident", "model", trained, training, model_back=False)
 # which of K candidate models fits the client's own data best, without training
-CHOOSE = DeviceOp("choose", "model", forward, lambda sent, sizes, op: choose_check(sent, sizes))
+CHOOSE = DeviceOp("choose", "model", forward, lambda sent, sizes, op: choose_check(sent, sizes), movable=True)
 # PACFL's one-shot step: the top left singular vectors of each class's data matrix
-SUBSPACE = DeviceOp("subspace", "embedding", forward, lambda sent, sizes, op: subspace_check(sent, sizes))
+SUBSPACE = DeviceOp("subspace", "embedding", forward, lambda sent, sizes, op: subspace_check(sent, sizes), movable=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 
 import numpy as np
@@ -28,6 +29,7 @@ from flt.server.strategies.ifca import IFCA
 from flt.server.strategies.local import Local
 from flt.server.strategies.oracle import Oracle
 from flt.server.strategies.pacfl import PACFL, cross_angles, hierarchical, smallest_angles
+from flt.server.strategies.pacfl import RETRIES as PACFL_RETRIES
 from flt.server.strategies.params import METHODS
 from flt.server.strategies.pca_km_hc import PCAKMHC
 
@@ -813,3 +815,36 @@ def test_pacfl_cross_angles_do_not_depend_on_the_slice_size():
     whole = cross_angles(bases[:3], bases)
     np.testing.assert_allclose(cross_angles(bases[:3], bases, budget=1), whole)  # one client per slice
     np.testing.assert_allclose(smallest_angles(bases)[:3], np.where(np.eye(3, 7, dtype=bool), 0.0, whole), atol=1e-9)
+
+
+def test_pacfl_asks_a_client_whose_subspace_did_not_come_again_and_places_it(tmp_path, caplog):
+    """A device frozen through PACFL's one-shot exchange: its clients would train the
+    clusters' mean model for the rest of the run. They are asked again at the end of the
+    next round and placed as newcomers are, RETRIES times at most."""
+    m, truth = 8, np.repeat([0, 1], 4)
+    ctx = make_ctx(tmp_path, m=m, truth=truth, n_train=np.full(m, 5))
+    targets = torch.where(torch.as_tensor(truth)[:, None] == 0, 3.0, -3.0) * torch.ones(m, P)
+    fed = FakeFederation(targets, ctx.n_train)
+    fed.present = np.arange(m)
+    unanswered = {2: 1, 6: 99}  # requests each leaves unanswered
+    answer = fed.run
+
+    def flaky(op, rnd, calls, purpose=None, **kw):
+        ex = answer(op, rnd, calls, purpose)
+        for c in list(ex.results):
+            if unanswered.get(c, 0) > 0:
+                unanswered[c] -= 1
+                del ex.results[c]
+        return ex
+
+    fed.run = flaky
+    s = PACFL(ctx)
+    s.setup(fed)
+    assert s.labels[2] == s.labels[6] == -1
+    (event,) = s.maintain(1, fed)
+    assert event["kind"] == "retry" and event["clients"] == [2, 6]
+    assert s.labels[2] == s.labels[0] and s.labels[6] == -1
+    with caplog.at_level(logging.WARNING, logger="flt.server"):
+        later = [s.maintain(rnd, fed) for rnd in range(2, 6)]
+    assert [len(events) for events in later] == [1] * (PACFL_RETRIES - 1) + [0] * (5 - PACFL_RETRIES)
+    assert s.labels[6] == -1 and "client 6 left 4 subspace requests unanswered" in caplog.text

@@ -18,7 +18,9 @@ instead of beta (cut the same tree into C clusters). The authors' scripts also s
 class from a client's class shares under Dirichlet partitions; here p is one number.
 
 Newcomers: a client that arrives sends its basis and joins the cluster at the smallest
-mean angle to its members (the authors' unseen-clients experiment).
+mean angle to its members (the authors' unseen-clients experiment). A client whose basis
+did not come at set-up (its device late or failing) is asked again at the end of the
+next round and placed the same way, up to RETRIES times in a row.
 
 Traffic: p*J*d*4 bytes up per client once (J: the classes it holds), then 2 W per
 selection as FedAvg.
@@ -41,11 +43,14 @@ from flt.server.strategies.base import (
     Task,
     agreement,
     cluster_average,
+    log,
     one_hot,
     stack,
 )
 from flt.server.strategies.params import PACFL as PACFL_PARAMS
 
+# How many times a client whose subspace did not come is asked again, in the rounds after.
+RETRIES = 3
 # the authors' row update after a merge, as scipy names it
 LINKAGES = {"average": "weighted", "maximum": "complete", "minimum": "single"}
 
@@ -112,6 +117,7 @@ class PACFL(Strategy):
         self.models = self.on(ctx.init.clone())[None]  # [C, P] after setup
         self.adjacency = np.zeros((0, 0))
         self.basis_bytes = 0
+        self.misses: dict[int, int] = {}  # subspace requests a client left unanswered in a row
 
     # -- the one-shot clustering ---------------------------------------------------------
     def setup(self, fed: FederationView) -> None:
@@ -131,11 +137,30 @@ class PACFL(Strategy):
         got = {c: r.tensors["basis"].astype(np.float64) for c, r in ex.results.items()}
         self.bases.update(got)
         self.basis_bytes += sum(int(b.size) * 4 for b in got.values())
+        for c in got:
+            self.misses.pop(c, None)
+        for c in sorted(set(clients.tolist()) - set(got)):
+            self.misses[c] = self.misses.get(c, 0) + 1
+            if self.misses[c] > RETRIES:
+                log.warning("pacfl: client %d left %d subspace requests unanswered; it keeps the mean", c, RETRIES + 1)
         return got
 
+    def maintain(self, rnd: int, fed: FederationView) -> list[dict]:
+        """Clients whose subspace did not come (their device late or failing, their reply
+        rejected) are asked again at the end of the round and placed as newcomers are, up
+        to RETRIES times in a row: left out, they would train the clusters' mean model for
+        the rest of the run."""
+        again = [c for c in np.asarray(fed.present).tolist() if 0 < self.misses.get(c, 0) <= RETRIES]
+        if not again:
+            return []
+        return [{"kind": "retry", "round": rnd, "clients": again, **self.place(rnd, np.array(again), fed, "retry")}]
+
     def on_arrival(self, rnd: int, clients: np.ndarray, fed: FederationView) -> dict:
-        """Newcomers send their bases and join the cluster at the smallest mean angle."""
-        got = self.collect(fed, clients, rnd, "arrival")
+        return self.place(rnd, clients, fed, "arrival")
+
+    def place(self, rnd: int, clients: np.ndarray, fed: FederationView, purpose: str) -> dict:
+        """`clients` send their bases and join the cluster at the smallest mean angle."""
+        got = self.collect(fed, clients, rnd, purpose)
         known = np.flatnonzero(self.labels >= 0)
         if not got or not len(known):
             return {"assigned": []}
