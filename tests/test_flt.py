@@ -279,6 +279,15 @@ def test_a_client_whose_centroids_did_not_come_is_asked_again_at_the_rounds_end(
     assert s.labels[5] == s.labels[4] and not s.flag_round  # client 5 is in planted cluster 1, with 4
 
 
+def test_a_clustered_client_that_misses_a_periodic_re_embedding_keeps_its_cluster(tmp_path):
+    s, fed = clustered_flt(tmp_path, recluster_every=4)
+    fed.silent.add(5)
+    before = s.labels.copy()
+    (event,) = s.maintain(4, fed)
+    assert event["cause"] == "period" and 5 not in s.flag_round  # its last centroids stand
+    assert (s.labels == before).all() and s.maintain(5, fed) == []
+
+
 def test_a_client_that_never_answers_is_asked_a_bounded_number_of_times(tmp_path, caplog):
     s, fed = clustered_flt(tmp_path, silent={5})
     with caplog.at_level(logging.WARNING, logger="flt.server"):

@@ -157,8 +157,12 @@ class FLT(Reclustering):
         rejected) are flagged, so they embed again at the end of the round (`maintain`):
         a client left out of the set-up's FCR would train and be evaluated with the global
         model for the rest of the run. After EMBED_RETRIES unanswered requests in a row the
-        server stops asking (a device that never answers must not cost an encoder a round)."""
+        server stops asking (a device that never answers must not cost an encoder a round).
+        A client that has centroids and no outstanding flag (it missed a periodic
+        re-embedding) keeps its last ones, and its cluster."""
         for c in missed:
+            if c in self.centroids and c not in self.flag_round:
+                continue
             self.embed_misses[c] = self.embed_misses.get(c, 0) + 1
             if self.embed_misses[c] <= EMBED_RETRIES:
                 self.flag_round.setdefault(c, rnd)

@@ -145,7 +145,10 @@ class Reclustering(Strategy):
         centroids, the clusters settle (kept or re-run) and new clusters get their start
         models. Appends and returns the FCR report."""
         ex = self.embed(fed, who, rnd, purpose="recluster" if cause != "arrival" else "arrival")
-        report = self.relate(fed.present, tag=f"-round{rnd}", fresh=np.array(sorted(ex.results), dtype=np.int64))
+        # a periodic re-run re-measures everyone: one who missed it (its device late) is
+        # no incumbent, or the clusters with none of those would open as new ones
+        fresh = np.asarray(who) if cause == "period" else np.array(sorted(ex.results), dtype=np.int64)
+        report = self.relate(fed.present, tag=f"-round{rnd}", fresh=fresh)
         report.update(round=rnd, cause=cause, clients_embedded=np.asarray(who).tolist(), **fcr_cost(ex))
         report.update(self.start_models(rnd, fed, purpose="recluster"))
         report["fcr_bytes"] += report.get("start_bytes", 0)
