@@ -288,6 +288,27 @@ def test_a_clustered_client_that_misses_a_periodic_re_embedding_keeps_its_cluste
     assert (s.labels == before).all() and s.maintain(5, fed) == []
 
 
+@pytest.mark.parametrize("shift, clusters", [(0.3, 3), (3.0, 4)])
+def test_a_periodic_re_run_keeps_the_clusters_unless_its_own_is_better_by_the_slack(tmp_path, shift, clusters):
+    """Every client re-embeds with fresh noise; half of planted cluster 2 moves by `shift`.
+    A small move must not split a cluster (the re-run's silhouette is lower than keeping
+    it: before, a periodic re-run was taken whatever it scored); a large one does."""
+    s, fed = clustered_flt(tmp_path, recluster_every=4)
+    embed = fed.embed
+
+    def moved(rnd, clients, tensors, meta, purpose="fcr"):
+        ex = embed(rnd, clients, tensors, meta, purpose)
+        for c in (10, 11):
+            ex.results[c] = (ex.results[c][0] + shift * np.eye(8, dtype=np.float32)[7], *ex.results[c][1:])
+        return ex
+
+    fed.embed = moved
+    fed.run = lambda op, rnd, calls, purpose=None: Exchange({}, [], {"bytes": {}})  # a new cluster's start model
+    (event,) = s.maintain(4, fed)
+    assert event["clusters"] == clusters and event["placement"] == ("kept" if clusters == 3 else "rerun")
+    assert s.labels[:10].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
+
+
 def test_a_client_that_never_answers_is_asked_a_bounded_number_of_times(tmp_path, caplog):
     s, fed = clustered_flt(tmp_path, silent={5})
     with caplog.at_level(logging.WARNING, logger="flt.server"):

@@ -145,9 +145,12 @@ class Reclustering(Strategy):
         centroids, the clusters settle (kept or re-run) and new clusters get their start
         models. Appends and returns the FCR report."""
         ex = self.embed(fed, who, rnd, purpose="recluster" if cause != "arrival" else "arrival")
-        # a periodic re-run re-measures everyone: one who missed it (its device late) is
-        # no incumbent, or the clusters with none of those would open as new ones
-        fresh = np.asarray(who) if cause == "period" else np.array(sorted(ex.results), dtype=np.int64)
+        # a periodic re-run re-measures everyone, so every clustered client is an incumbent
+        # (whether it answered or, its device late, keeps its last centroids): the clusters
+        # stay unless the re-run is better by the slack, as for any placement
+        fresh = np.array(sorted(ex.results), dtype=np.int64)
+        if cause == "period":
+            fresh = fresh[self.labels[fresh] < 0]
         report = self.relate(fed.present, tag=f"-round{rnd}", fresh=fresh)
         report.update(round=rnd, cause=cause, clients_embedded=np.asarray(who).tolist(), **fcr_cost(ex))
         report.update(self.start_models(rnd, fed, purpose="recluster"))
