@@ -118,7 +118,7 @@ def test_a_device_that_timed_out_gets_no_movable_task_until_it_answers_again():
             while name == "dev-a" and frozen.is_set() and not stop.is_set():
                 time.sleep(0.02)  # stopped, as by SIGSTOP: its tasks wait in the socket
             if name == "dev-b" and slow.is_set():
-                time.sleep(0.5)
+                time.sleep(1.0)  # long enough for the woken dev-a's answers to come first
             got_tasks[name].append(task.client)
             return [Message("metrics", 0, task.client, meta={"batch": task.meta["batch"]})]
 
