@@ -559,16 +559,17 @@ DRIFT_FIELDS = {"move": ("to_cluster",), "resample": (), "swap_labels": ("labels
 
 
 def _check_events(pop: dict, rounds: int, partition: dict) -> None:
-    need: tuple[str, ...]  # the fields an event of this kind must have
-    for kind, need in (("newcomers", ("round",)), ("drift", ("round", "clients"))):
+    common: tuple[str, ...]  # the fields every event of this kind must have
+    for kind, common in (("newcomers", ("round",)), ("drift", ("round", "clients"))):
         for i, ev in enumerate(pop[kind]):
             where = f"population.{kind}[{i}]"
             if not isinstance(ev, dict):
                 raise ConfigError(f"{where}: expected a mapping")
+            need: tuple[str, ...] = common  # this event's own: a move's to_cluster must not carry on
             if kind == "drift":
                 if ev.get("kind", "move") not in DRIFT_FIELDS:
                     raise ConfigError(f"{where}.kind: one of {', '.join(DRIFT_FIELDS)}; got {short(ev.get('kind'))}")
-                need = need + DRIFT_FIELDS[ev.get("kind", "move")]
+                need = common + DRIFT_FIELDS[ev.get("kind", "move")]
             optional = {"cluster", "clients"} if kind == "newcomers" else {"kind"}
             extra = set(ev) - set(need) - optional
             if extra:

@@ -187,6 +187,17 @@ def test_bad_schedules_are_refused_by_validation(tmp_path, pop, words):
         assert w in str(exc.value), (w, str(exc.value))
 
 
+def test_each_drift_event_needs_only_its_own_kinds_fields(tmp_path):
+    """A move's to_cluster was carried on to every later event: a move then a resample was
+    refused with 'drift[1].to_cluster: required field is missing'."""
+    import yaml
+
+    path = tmp_path / "s.yaml"
+    drift = [{"round": 3, "clients": [0], "to_cluster": 1}, {"round": 3, "clients": [4], "kind": "resample"}]
+    path.write_text(yaml.safe_dump({"population": {"drift": drift}, "train": {"rounds": 5}}))
+    assert [ev.get("kind", "move") for ev in config.load(path)["population"]["drift"]] == ["move", "resample"]
+
+
 def test_schedules_are_checked_against_the_partition():
     truth = np.repeat(np.arange(5), 4)
     cfg = {
