@@ -292,7 +292,12 @@ class Device:
         else:
             self.resident.pop(msg.client, None)
         (self.flags.add if msg.meta.get("flag") else self.flags.discard)(msg.client)
-        if msg.meta.get("watched"):  # its reference is gone with the old process: any change counts
+        if msg.meta.get("encoder") in ("onnx", "linear"):  # the change test's, once per device
+            self.watch.embedder = ops.watch_embedder(msg.meta["encoder"], msg.tensors)
+        if "reference" in msg.tensors:  # what its next change is tested against, as before the restart
+            sample = np.array(msg.tensors["reference"], dtype=np.float32)
+            self.watch.restored(msg.client, sample, ops.client_seed(0, msg.client))
+        elif msg.meta.get("watched"):  # not testable (or its reference lost): any change counts
             self.watch.forgotten(msg.client)
 
     # -- cohorts --------------------------------------------------------------------

@@ -239,13 +239,11 @@ def embed(device: Device, batch: list[Message]) -> list[Message]:
     if meta["format"] != "autoencoder":  # onnxruntime and numpy read host memory
         xs = [x.cpu() for x in xs]
     if meta["format"] == "onnx":
-        onnx = np.array(t["onnx"])  # kept by the watch: the message's frames are not ours to hold
-        embs = embedding.embed_onnx(onnx, xs)
-        device.watch.embedder = lambda x: embedding.embed_onnx(onnx, [torch.from_numpy(x)])[0]
+        embs = embedding.embed_onnx(np.asarray(t["onnx"]), xs)
+        device.watch.embedder = watch_embedder("onnx", t)
     elif meta["format"] == "linear":
-        components, mean = np.array(t["components"]), np.array(t["mean"])
-        embs = embedding.embed_linear(components, mean, xs)
-        device.watch.embedder = lambda x: embedding.embed_linear(components, mean, [torch.from_numpy(x)])[0]
+        embs = embedding.embed_linear(np.asarray(t["components"]), np.asarray(t["mean"]), xs)
+        device.watch.embedder = watch_embedder("linear", t)
     elif meta["format"] == "own_pca":  # each client's own PCA basis: not kept either
         embs = embedding.embed_own_pca(xs, int(meta["latent"]), [client_seed(meta["seed"], m.client) for m in batch])
     else:  # each client's own fine-tuned encoder: not kept (devices/watch.py)
@@ -269,6 +267,16 @@ def embed(device: Device, batch: list[Message]) -> list[Message]:
             )
         )
     return out
+
+
+def watch_embedder(fmt: str, t: dict[str, np.ndarray]) -> Callable[[np.ndarray], np.ndarray]:
+    """The encoder an FCR task carries (ONNX, or a PCA basis), as the change test keeps it:
+    images [N, C, H, W] -> embeddings [N, e]. Copies: a message's frames are not ours to hold."""
+    if fmt == "onnx":
+        onnx = np.array(t["onnx"])
+        return lambda x: embedding.embed_onnx(onnx, [torch.from_numpy(x)])[0]
+    components, mean = np.array(t["components"]), np.array(t["mean"])
+    return lambda x: embedding.embed_linear(components, mean, [torch.from_numpy(x)])[0]
 
 
 def _summaries(e: np.ndarray, y: np.ndarray | None, k, seed: int) -> tuple[dict[str, np.ndarray], int]:
@@ -298,19 +306,27 @@ def _images_of(shard) -> Callable[[], np.ndarray]:
 
 @register("snapshot")
 def snapshot(device: Device, batch: list[Message]) -> list[Message]:
-    """What this device keeps for each client (Local's model, the change flag), for the
-    server's checkpoint: a resumed run gets it back with Device.on_state."""
-    return [
-        Message(
-            "state",
-            m.round,
-            m.client,
-            tensors={"model": device.resident[m.client].numpy()} if m.client in device.resident else {},
-            meta={
-                "batch": m.meta["batch"],
-                "flag": int(device.change_flag(m.client)),
-                "watched": int(device.watch.watched(m.client)),
-            },
+    """What this device keeps for each client (Local's model, the change flag and, when
+    asked, the embedded sample its change test compares with), for the server's
+    checkpoint: a resumed run gets it back with Device.on_state."""
+    out = []
+    for m in batch:
+        tensors = {"model": device.resident[m.client].numpy()} if m.client in device.resident else {}
+        # what its next change is tested against, when the server says data changes later
+        sample = device.watch.reference_sample(m.client) if m.meta.get("references") else None
+        if sample is not None:
+            tensors["reference"] = sample
+        out.append(
+            Message(
+                "state",
+                m.round,
+                m.client,
+                tensors=tensors,
+                meta={
+                    "batch": m.meta["batch"],
+                    "flag": int(device.change_flag(m.client)),
+                    "watched": int(device.watch.watched(m.client)),
+                },
+            )
         )
-        for m in batch
-    ]
+    return out

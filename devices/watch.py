@@ -15,6 +15,9 @@ so the device tests before it raises the flag:
   alarms and misses on MNIST, Fashion-MNIST and CIFAR-10 (SAMPLE and NEIGHBOURS come
   from there: 64 images missed a third of CIFAR-10's moves).
 
+A checkpoint keeps each reference's embedded sample when data changes after its round,
+and a resumed device gets it back with the encoder (`restored`), so it tests as before.
+
 The test is scale-free (a permutation test needs no threshold in the embedding's units)
 and costs nothing while the data does not change. It sees images only: a client that
 embedded with an encoder the device does not keep (Enc2's fine-tuned autoencoder), or
@@ -45,6 +48,9 @@ class Reference:
     images: Images | None  # what the client embedded; None: not testable (any change flags)
     version: int  # the data-store version it was taken from
     seed: int  # which images are sampled, and the permutations
+    # (embedder, its embedding of the sampled images): what a test compares with, kept once
+    # computed for a checkpoint, or given back by one on resume (`images` then None)
+    sample: tuple[Embedder | None, np.ndarray] | None = None
 
 
 def sample_index(n: int, seed: int, size: int = SAMPLE) -> np.ndarray:
@@ -99,9 +105,33 @@ class Watch:
         self.refs[client] = Reference(images if testable else None, self.version.get(client, 0), seed)
 
     def forgotten(self, client: int) -> None:
-        """A resumed device: the client embedded before the restart, its reference did not
-        survive; a change of its store raises the flag untested."""
+        """A resumed device: the client embedded before the restart and its checkpoint kept
+        no reference (not testable, or no data change was to come); a change of its store
+        raises the flag untested."""
         self.refs[client] = Reference(None, self.version.get(client, 0), 0)
+
+    def reference_sample(self, client: int) -> np.ndarray | None:
+        """The embedded sample of what the client embedded, which a test compares its new
+        data with: what a checkpoint keeps so that a resumed device tests as this one
+        would. None when its change is not tested."""
+        ref = self.refs.get(client)
+        return None if ref is None else self._then(ref)
+
+    def restored(self, client: int, sample: np.ndarray, seed: int) -> None:
+        """A resumed device: the client's reference as a checkpoint kept it (its embedded
+        sample; the encoder comes back apart, as `embedder`)."""
+        self.refs[client] = Reference(None, self.version.get(client, 0), seed, (None, sample))
+
+    def _then(self, ref: Reference) -> np.ndarray | None:
+        """The reference's embedded sample under the current encoder (computed once per
+        encoder; a restored one was computed before the restart, under the same encoder)."""
+        if ref.sample is not None and (ref.images is None or ref.sample[0] is self.embedder):
+            return ref.sample[1]
+        if ref.images is None or self.embedder is None:
+            return None
+        old = ref.images()
+        ref.sample = (self.embedder, self.embedder(old[sample_index(len(old), ref.seed)]))
+        return ref.sample[1]
 
     def changed(self, client: int) -> None:
         self.version[client] = self.version.get(client, 0) + 1
@@ -120,10 +150,9 @@ class Watch:
         once."""
         ref = self.refs[client]
         ref.version = self.version.get(client, 0)
-        if ref.images is None or self.embedder is None:
+        then = self._then(ref)
+        if then is None or self.embedder is None:
             return True
-        old = ref.images()
-        then = self.embedder(old[sample_index(len(old), ref.seed)])
         now = self.embedder(images[sample_index(len(images), ref.seed + 1)])
         p = knn_pvalue(then, now, ref.seed)
         self.tests.append((client, p))

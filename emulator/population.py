@@ -104,6 +104,11 @@ class Population:
         return np.sort(rng.choice(pool, size=k, replace=False)) if k else pool[:0]
 
     # -- what changes -----------------------------------------------------------------
+    def drift_after(self, rnd: int) -> bool:
+        """Whether any client's data changes after round `rnd` (a checkpoint then keeps
+        what FLT's change test compares with)."""
+        return any(r > rnd for r in self.schedule.drift)
+
     def before_round(self, rnd: int) -> list[dict]:
         """Apply this round's drift and connect its newcomers; returns their events (the
         server loop then tells the strategy about the arrivals)."""

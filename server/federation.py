@@ -58,6 +58,8 @@ class PopulationView(ExchangeClock, Protocol):
 
     def newcomers(self) -> np.ndarray: ...
 
+    def drift_after(self, rnd: int) -> bool: ...
+
     def before_round(self, rnd: int) -> list[dict]: ...
 
     def select(self, rnd: int, candidates: np.ndarray) -> np.ndarray: ...
@@ -252,11 +254,12 @@ class Federation:
         return ex.decoded(lambda m: (m.tensors["centroids"].copy(), m.tensors["shares"].astype(np.float64), _halves(m)))
 
     # -- checkpoints -------------------------------------------------------------------
-    def state_dict(self, rnd: int) -> dict:
+    def state_dict(self, rnd: int, references: bool = False) -> dict:
         """The transport's side of a checkpoint: bytes so far, the next batch id (it is in
-        every header, so its digits count), lost devices, and what devices hold per client."""
+        every header, so its digits count), lost devices, and what devices hold per client
+        (with `references`, what their change tests compare with: data changes later)."""
         t = self.transport
-        clients = self._device_state(rnd)
+        clients = self._device_state(rnd, references)
         batch = t.next_batch()
         return {
             "ledger": t.ledger,
@@ -266,11 +269,12 @@ class Federation:
             "events": list(self.events),
         }
 
-    def load_state_dict(self, state: dict) -> list[int]:
+    def load_state_dict(self, state: dict, watch_encoder: Call | None = None) -> list[int]:
         """Put the transport's side back; returns the clients whose device state the
-        checkpoint lacks (they resume with none: no device-held model, no change flag)."""
+        checkpoint lacks (they resume with none: no device-held model, no change flag).
+        `watch_encoder`: the encoder the devices' change tests embed with (FLT's)."""
         self.transport.lost_devices.update(state["lost_devices"])
-        self._restore_device_state(state["clients"])
+        self._restore_device_state(state["clients"], watch_encoder)
         restore_vars(self.transport, {"ledger": state["ledger"]})
         self.events = list(state.get("events", []))  # set-up's, when killed before round 1
         self.transport.batches = itertools.count(state["batch"])
@@ -285,7 +289,7 @@ class Federation:
         lost = set(self.transport.lost_clients().tolist())
         return sorted(c for c in self.transport.client_device if c not in lost)
 
-    def _device_state(self, rnd: int) -> dict:
+    def _device_state(self, rnd: int, references: bool = False) -> dict:
         """Ask every hosted client's device what it keeps for it (Local's model, the change
         flag). Checkpoint traffic is the emulator's, not the method's: it is not billed.
         A client whose device does not answer, answers late or answers wrong is checked
@@ -293,7 +297,8 @@ class Federation:
         state (a broken or hostile device must not stop the run), and resume says so."""
         t, clients = self.transport, self._hosted()
         with t.unbilled():
-            msgs = {c: SNAPSHOT.message(rnd, c, {}, {}) for c in clients}
+            ask = {"references": 1} if references else {}  # an embedding per client: only when it can matter
+            msgs = {c: SNAPSHOT.message(rnd, c, {}, ask) for c in clients}
             replies = t.gather(msgs, "state", self.timeout_s, check=state_check(self.model_size), own=True)
         missing = sorted(set(clients) - set(replies) - set(t.lost_clients().tolist()))
         if missing:
@@ -305,27 +310,32 @@ class Federation:
             )
         return {
             "models": {c: r.tensors["model"].copy() for c, r in replies.items() if "model" in r.tensors},
+            "references": {c: r.tensors["reference"].copy() for c, r in replies.items() if "reference" in r.tensors},
             "flags": sorted(c for c, r in replies.items() if r.meta.get("flag")),
             "watched": sorted(c for c, r in replies.items() if r.meta.get("watched")),
             "missing": missing,
         }
 
-    def _restore_device_state(self, state: dict) -> None:
+    def _restore_device_state(self, state: dict, watch_encoder: Call | None = None) -> None:
         """Every hosted client gets its checkpointed state back (a flag that replayed drift
-        raised but a later re-embedding cleared is cleared again); not billed either."""
+        raised but a later re-embedding cleared is cleared again); not billed either. A
+        device whose clients' changes are tested gets the encoder once, with the first."""
         t, flags, watched = self.transport, set(state["flags"]), set(state.get("watched", ()))
+        references = state.get("references", {})  # none in a checkpoint from before they were kept
+        encoder_sent: set[str] = set()
         with t.unbilled():
             for c in self._hosted():
-                model = state["models"].get(c)
-                t.deliver(
-                    t.client_device[c],
-                    Message(
-                        "state",
-                        client=c,
-                        meta={"flag": int(c in flags), "watched": int(c in watched)},
-                        tensors={} if model is None else {"model": model},
-                    ),
-                )
+                device, model, reference = t.client_device[c], state["models"].get(c), references.get(c)
+                meta, tensors = {"flag": int(c in flags), "watched": int(c in watched)}, {}
+                if model is not None:
+                    tensors["model"] = model
+                if reference is not None and watch_encoder is not None:
+                    tensors["reference"] = reference
+                    if device not in encoder_sent:
+                        encoder_sent.add(device)
+                        meta["encoder"] = watch_encoder.meta["format"]
+                        tensors |= watch_encoder.tensors
+                t.deliver(device, Message("state", client=c, meta=meta, tensors=tensors))
 
 
 def accuracy_stats(metrics: dict[int, dict], newcomers: Collection[int] = ()) -> dict:
@@ -509,7 +519,7 @@ def save_checkpoint(
             "setup_s": setup_s,
             "strategy": strategy.state_dict(),
             "population": population.state_dict(),
-            "federation": fed.state_dict(rnd),
+            "federation": fed.state_dict(rnd, references=population.drift_after(rnd)),
         },
     )
 
@@ -523,7 +533,8 @@ def resume_method(
     state = checkpoint.load(out_dir / CHECKPOINT, fed.device)
     done = state["round"]
     population.load_state_dict(state["population"], upto=done)
-    lacking = fed.load_state_dict(state["federation"])
+    strategy.load_state_dict(state["strategy"])
+    lacking = fed.load_state_dict(state["federation"], strategy.watch_encoder())
     if lost := state["federation"]["lost_devices"]:
         gone = fed.transport.lost_clients().tolist()
         progress(
@@ -535,7 +546,6 @@ def resume_method(
             f"{lacking[:20]} (their device did not report it); they resume with none: no device-held "
             "model (Local starts them again from the initial weights), no change flag"
         )
-    strategy.load_state_dict(state["strategy"])
     metrics = out_dir / "metrics.jsonl"
     records = first_records(out_dir, done)
     tmp = metrics.with_suffix(".jsonl.tmp")

@@ -213,22 +213,36 @@ def _summary_fault(c: np.ndarray, w: np.ndarray, max_k: int, labelled: bool, wha
     return None
 
 
+# Rows of a change test's reference (devices/watch.py SAMPLE: the images a test embeds).
+REFERENCE_ROWS = 256
+
+
 def state_check(model_size: int | None) -> Check:
     """`state` (a checkpoint's snapshot of what a device keeps for a client): a 0/1 change
-    flag and, if the device keeps a model for the client (Local), one finite float32 model
-    of the run's size. A wrong one would be written into the checkpoint and handed back to
-    the device on resume."""
+    flag; if the device keeps a model for the client (Local), one finite float32 model of
+    the run's size; if it tests the client's data changes (FLT), the embedded sample it
+    tests them against, at most REFERENCE_ROWS finite float32 rows. A wrong one would be
+    written into the checkpoint and handed back to the device on resume."""
 
     def check(client: int, reply: Message) -> tuple[str, str] | None:
         for key in ("flag", "watched"):
             if reply.meta.get(key, 0) not in (0, 1):
                 return "bad meta", f"{key} {short(reply.meta.get(key), 24)}"
-        if not reply.tensors:
-            return None
+        if set(reply.tensors) - {"model", "reference"}:
+            return "bad state", f"tensors {sorted(reply.tensors)[:4]}: only 'model' and 'reference'"
+        reference = reply.tensors.get("reference")
+        if reference is not None:
+            rows = reference.shape[0] if reference.ndim == 2 else 0
+            if reference.dtype != np.float32 or not 1 <= rows <= REFERENCE_ROWS:
+                return "bad state", f"reference {reference.dtype} {reference.shape}: float32 [1..{REFERENCE_ROWS}, e]"
+            if wrong := _too_large(reference, MAX_EMBEDDING, "state reference", "no encoder gives one"):
+                return wrong
         model = reply.tensors.get("model")
-        size = model_size if model_size is not None else (model.size if model is not None else 0)
-        if model is None or model.dtype != np.float32 or model.shape != (size,) or len(reply.tensors) != 1:
-            return "bad state", f"expected no tensor or one float32 model of {size} parameters"
+        if model is None:
+            return None
+        size = model_size if model_size is not None else model.size
+        if model.dtype != np.float32 or model.shape != (size,):
+            return "bad state", f"expected no model or one float32 model of {size} parameters"
         return _too_large(model, MAX_WEIGHT, "state", "it would overflow the average")
 
     return check

@@ -337,3 +337,26 @@ def test_a_client_summarises_all_its_data_and_each_of_two_disjoint_halves():
     assert k == 2 and labelled["halves"][:k, -1].tolist() == [0.0, 1.0]
     alone, none = ops._summaries(emb[:1], y[:1], 2, seed=7)  # one sample cannot be halved
     assert none == 0 and set(alone) == {"centroids", "shares"}
+
+
+def test_a_state_reply_carries_at_most_one_bounded_reference_of_the_change_test():
+    """A checkpoint keeps what each device tests its clients' changes against and hands it
+    back on resume: a malformed or absurd one is refused like any wrong reply."""
+    from flt.server.replies import REFERENCE_ROWS, state_check
+
+    check = state_check(5)
+
+    def verdict(**tensors):
+        return check(3, Message("state", 1, 3, tensors=tensors, meta={"flag": 0, "watched": 1}))
+
+    good = np.zeros((REFERENCE_ROWS, 8), np.float32)
+    assert verdict(reference=good) is None and verdict(reference=good, model=np.zeros(5, np.float32)) is None
+    for bad in (
+        np.zeros((REFERENCE_ROWS + 1, 8), np.float32),  # more rows than a test embeds
+        np.zeros((4, 8), np.float64),
+        np.zeros(8, np.float32),
+        np.full((4, 8), 1e30, np.float32),  # finite, but no encoder gives it
+        np.full((4, 8), np.nan, np.float32),
+    ):
+        assert verdict(reference=bad) is not None, bad.shape
+    assert verdict(reference=good, other=good) is not None  # nothing else rides along

@@ -206,7 +206,9 @@ population:
   profiles: {distribution: {compute: {dist: lognormal, median_ms_per_sample: 20.0, sigma: 0.5}}}
   deadline_s: 12.0
   newcomers: [{round: 2, cluster: 2}]
-  drift: [{round: 4, clients: [0, 1], to_cluster: 1}]
+  # clients 0 and 1 move; client 3 draws new data of its own distribution, which FLT's
+  # change test on its device lets pass, after a resume too
+  drift: [{round: 4, clients: [0, 1], to_cluster: 1}, {round: 4, clients: [3], kind: resample}]
 methods:
   - {name: flt, encoder: {dataset: public, epochs: 5}, newcomers: nearest, recluster_flags: 1}
   - local
@@ -245,9 +247,9 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.parametrize("method, after_rounds", [("flt", 2), ("local", 4)])
 def test_a_killed_run_resumes_to_exactly_the_uninterrupted_results(uninterrupted, tmp_path, method, after_rounds):
     """Killed mid-FLT after the arrival, or mid-Local after the drift (FLT finished, IFCA
-    not begun): arrivals and drift replay, Local's device-held models come back, and
-    every record and the summary equal those of an uninterrupted run on 1 process (the
-    killed one used 3)."""
+    not begun): arrivals and drift replay, Local's device-held models and the change
+    test's references come back, and every record and the summary equal those of an
+    uninterrupted run on 1 process (the killed one used 3)."""
     scenario, want = uninterrupted
     killed = tmp_path / "killed"
     kill_during(scenario, killed, method, after_rounds, "--set", "devices.processes=3")

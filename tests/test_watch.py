@@ -71,3 +71,24 @@ def test_the_sample_is_fixed_per_seed_and_bounded():
     np.testing.assert_array_equal(a, b)
     assert len(a) == w.SAMPLE and len(set(a.tolist())) == w.SAMPLE
     np.testing.assert_array_equal(w.sample_index(10, 9), np.arange(10))
+
+
+def test_a_reference_given_back_after_a_restart_tests_as_the_original_would():
+    """What a checkpoint keeps (the embedded sample) and a resumed device gets back: its
+    tests give the same p-values as the device that embedded, for a draw of the same
+    distribution and for a move."""
+    first, emb = w.Watch(), Counting()
+    first.embedder = emb
+    x = images(0.0)
+    first.remember(3, lambda: x, seed=5, testable=True)
+    kept = first.reference_sample(3)
+    assert kept is not None and kept.shape == (len(x), 8)
+    resumed = w.Watch()
+    resumed.embedder = Counting()
+    resumed.restored(3, kept, seed=5)
+    for shift, seed in ((0.0, 1), (0.5, 2)):
+        first.changed(3), resumed.changed(3)
+        new = images(shift, seed=seed)
+        assert first.moved(3, new) == resumed.moved(3, new) == (shift > 0)
+    assert first.tests == resumed.tests  # the same p-values
+    assert w.Watch().reference_sample(3) is None  # never embedded: nothing to keep

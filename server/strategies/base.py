@@ -154,6 +154,11 @@ class Strategy:
         exceed one model (the transport refuses anything larger than both, unread)."""
         return 0
 
+    def watch_encoder(self) -> Call | None:
+        """The encoder the devices test their clients' data changes with (devices/watch.py),
+        given back to them on resume with what each tests against; None: no change test."""
+        return None
+
     def setup(self, fed: FederationView) -> None:
         """One-off work before the first round."""
 

@@ -45,9 +45,10 @@ import torch
 
 from flt.common.errors import DeviceError
 from flt.server import fcr
-from flt.server.exchange import Exchange
+from flt.server.exchange import Call, Exchange
 from flt.server.fcr_recipe import FLT_RECIPE
 from flt.server.ops import CHOOSE, EMBED, EVALUATE, TRAIN
+from flt.server.replies import REFERENCE_ROWS
 from flt.server.strategies.base import (
     Artifact,
     FederationView,
@@ -171,6 +172,20 @@ class FLT(Reclustering):
                 placed = f"stays in cluster {self.labels[c]}" if self.labels[c] >= 0 else "keeps the global model"
                 asked = EMBED_RETRIES + 1
                 log.warning("%s: client %d left %d embedding requests unanswered; it %s", self.name, c, asked, placed)
+
+    @classmethod
+    def max_upload(cls, params: dict, in_shape: tuple[int, ...], num_classes: int) -> int:
+        """A checkpoint's state reply carries the change test's reference: REFERENCE_ROWS
+        embeddings of e floats (PCA+kM+HC: e = its components)."""
+        width = int(params["components"]) if "components" in params else int(params["encoder"]["latent"])
+        return REFERENCE_ROWS * width * 4 + 4096
+
+    def watch_encoder(self) -> Call | None:
+        """The frozen encoder (ONNX, or a PCA basis) the devices test data changes with."""
+        meta = getattr(self, "payload_meta", {})
+        if meta.get("format") not in ("onnx", "linear") or meta.get("k") == "labels":
+            return None
+        return Call(self.payload, {"format": meta["format"]})
 
     def _shares(self, client: int) -> np.ndarray:
         """A centroid's share of its client's samples (equal shares for centroids kept from
