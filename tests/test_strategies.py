@@ -528,7 +528,7 @@ class FakeFederation:
     def _count(self, direction, kind, nbytes):
         self.transport.ledger.bytes[direction][kind] += int(nbytes)
 
-    def state_dict(self, rnd):  # run_method checkpoints every round: no wire state here
+    def state_dict(self, rnd, references=False):  # run_method checkpoints every round: no wire state here
         return {}
 
     def train(self, rnd, tasks, delays=None, timeout_s=None, purpose=None):
@@ -748,7 +748,7 @@ def test_a_stop_during_a_checkpoint_leaves_the_summary_with_the_last_record(tmp_
     ctx = make_ctx(tmp_path, m=m, truth=np.zeros(m, np.int64), n_train=np.full(m, 5))
 
     class StoppedMidCheckpoint(FakeFederation):
-        def state_dict(self, rnd):
+        def state_dict(self, rnd, references=False):
             if rnd == stop_at:
                 raise KeyboardInterrupt
             return {}
