@@ -213,7 +213,8 @@ def _summary_fault(c: np.ndarray, w: np.ndarray, max_k: int, labelled: bool, wha
     return None
 
 
-# Rows of a change test's reference (devices/watch.py SAMPLE: the images a test embeds).
+# Rows of a change test's reference: devices/watch.py SAMPLE, the images a test embeds
+# (the server half imports nothing of the devices'; tests/test_ops.py keeps them equal).
 REFERENCE_ROWS = 256
 
 

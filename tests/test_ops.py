@@ -342,8 +342,10 @@ def test_a_client_summarises_all_its_data_and_each_of_two_disjoint_halves():
 def test_a_state_reply_carries_at_most_one_bounded_reference_of_the_change_test():
     """A checkpoint keeps what each device tests its clients' changes against and hands it
     back on resume: a malformed or absurd one is refused like any wrong reply."""
+    from flt.devices.watch import SAMPLE
     from flt.server.replies import REFERENCE_ROWS, state_check
 
+    assert REFERENCE_ROWS == SAMPLE  # the server's bound is the images a device's test embeds
     check = state_check(5)
 
     def verdict(**tensors):
