@@ -36,7 +36,7 @@ from flt.reports.writer import write_artifacts
 from flt.server import fcr
 from flt.server.strategies import STRATEGIES
 from flt.server.strategies.base import Context
-from flt.server.strategies.flt import FLT
+from flt.server.strategies.flt import EMBED_RETRIES, FLT
 from flt.server.transport import Transport
 
 
@@ -95,7 +95,7 @@ def _relate(cfg: dict, spec: dict, run_dir: Path, progress: Progress, umap: bool
         fed.present = np.arange(m)
         progress(f"{len(devices)} device processes host {m} clients; relating them with {spec['label']}")
         transport.ledger.reset()
-        strategy.setup(fed)
+        strategy.setup(fed, retries=EMBED_RETRIES - 1)  # no later round to ask a late client again in
         write_artifacts(method_dir, strategy.take_artifacts())
         result = strategy.fcr_reports[0] | {
             "method": spec["label"],
@@ -129,10 +129,13 @@ def _fcr_traffic(transport: Transport) -> dict:
 def describe(r: dict) -> str:
     first, *rest = describe_clustering(r)
     mb = sum(sum(v.values()) for v in r["bytes"].values()) / 1e6
+    missing = r.get("unassigned") or []
+    unheard = f"no centroids came from clients {missing} in {EMBED_RETRIES} requests: they are in no cluster"
     return "\n".join(
         [
             f"FCR ({r['method']}): {first}",
             *(f"  {line}" for line in rest),
+            *([f"  {unheard}"] if missing else []),
             f"  {r['n_clients']} clients, {mb:.2f} MB on the wire (encoder + centroids), "
             f"{r['wall_s']:.1f} s in all, {r['server_seconds']:.2f} s of it clustering on the server",
         ]

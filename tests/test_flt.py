@@ -12,6 +12,7 @@ from flt_command import flt  # tests/ is on sys.path under pytest
 from scipy.spatial.distance import cdist
 
 from flt.emulator.config import parse_methods
+from flt.emulator.relate import describe
 from flt.reports.writer import write_artifacts
 from flt.server import fcr
 from flt.server.exchange import Exchange, Reply
@@ -225,7 +226,9 @@ class Embedder:
         return Exchange(got, sorted(got), {"bytes": {}})
 
 
-def clustered_flt(tmp_path, silent=(), **params) -> tuple[FLT, Embedder]:
+def clustered_flt(tmp_path, silent=(), retries=0, late=None, **params) -> tuple[FLT, Embedder]:
+    """FLT set up over 12 clients in 3 planted clusters; `silent` never answer, or (`late`)
+    only from the set-up's late-th embedding request on."""
     truth = np.repeat(np.arange(3), 4)
     ctx = Context(
         init=torch.zeros(P),
@@ -239,7 +242,16 @@ def clustered_flt(tmp_path, silent=(), **params) -> tuple[FLT, Embedder]:
     s = FLT(ctx, **parse_methods([{"name": "flt", **params}])[0].params)
     s.encoder_payload = lambda: ({"onnx": np.zeros(4, np.uint8)}, {"format": "onnx"}, {})
     fed = Embedder(truth, silent)
-    s.setup(fed)
+    if late is not None:
+        embed = fed.embed
+
+        def wakes(rnd, clients, tensors, meta, purpose="fcr"):
+            if len(fed.calls) == late:
+                fed.silent.clear()
+            return embed(rnd, clients, tensors, meta, purpose)
+
+        fed.embed = wakes
+    s.setup(fed, retries=retries)
     return s, fed
 
 
@@ -277,6 +289,27 @@ def test_a_client_whose_centroids_did_not_come_is_asked_again_at_the_rounds_end(
     (event,) = s.maintain(1, fed)
     assert event["cause"] == "retry" and fed.calls[-1] == (1, [5])
     assert s.labels[5] == s.labels[4] and not s.flag_round  # client 5 is in planted cluster 1, with 4
+
+
+@pytest.mark.parametrize("late, clustered", [(1, True), (2, True), (3, False)])
+def test_flt_relate_asks_a_late_client_again_before_it_clusters(tmp_path, late, clustered):
+    """`flt relate` has no later round to ask again in: its set-up asks a client whose
+    centroids did not come again, up to `retries` times, then clusters everyone once
+    (before, it clustered only the clients that answered the first request)."""
+    s, fed = clustered_flt(tmp_path, silent={5}, retries=2, late=late)
+    assert fed.calls == [(0, list(range(12)))] + [(0, [5])] * min(late, 2)
+    report = s.fcr_reports[0]
+    assert len(s.fcr_reports) == 1 and report["unassigned"] == ([] if clustered else [5])
+    assert (s.labels[5] == s.labels[4]) if clustered else (s.labels[5] == -1 and 5 in s.flag_round)
+    assert report["ari"] == 1.0
+
+
+def test_flt_relate_names_the_clients_it_could_not_cluster():
+    report = {"method": "flt", "clusters": 2, "cluster_sizes": [2, 2], "n_clients": 4, "wall_s": 1.0}
+    report |= {"server_seconds": 0.1, "bytes": {"down": {"encoder": 10}}}
+    assert "no centroids came" not in describe(report | {"unassigned": []})
+    said = describe(report | {"unassigned": [5, 7]}).splitlines()
+    assert said[-2] == f"  no centroids came from clients [5, 7] in {EMBED_RETRIES} requests: they are in no cluster"
 
 
 def test_a_clustered_client_that_misses_a_periodic_re_embedding_keeps_its_cluster(tmp_path):

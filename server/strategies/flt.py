@@ -105,23 +105,34 @@ class FLT(Reclustering):
         self.timeline: list[tuple[int, np.ndarray]] = []  # (round, labels) at every clustering
 
     # -- FCR ----------------------------------------------------------------------------
-    def setup(self, fed: FederationView) -> None:
+    def setup(self, fed: FederationView, retries: int = 0) -> None:
+        """FCR over every present client. A client whose centroids did not come is asked
+        again at the end of round 1 (`_ask_again`); `retries` > 0 asks it again here, up to
+        that many times, before clustering (`flt relate`, which has no rounds to wait for)."""
         tic = time.perf_counter()
         self.payload, self.payload_meta, self.encoder_info = self.encoder_payload()
         self.payload_bytes = sum(t.nbytes for t in self.payload.values())
-        ex = self.embed(fed, fed.present, rnd=0, purpose="fcr")
-        if not ex.results:
+        exchanges = [self.embed(fed, fed.present, rnd=0, purpose="fcr")]
+        if not exchanges[0].results:
             raise DeviceError(
                 "FCR: no client sent valid centroids in time (embedding waits 4 x devices.round_timeout_s; "
                 "the log above names late and rejected replies, the device logs any failure)"
             )
+        for attempt in range(1, retries + 1):
+            missed = self._outstanding(fed.present)
+            if not len(missed):
+                break
+            log.warning(
+                "%s: asking %d clients again for centroids (retry %d of %d)", self.name, len(missed), attempt, retries
+            )
+            exchanges.append(self.embed(fed, missed, rnd=0, purpose="fcr"))
         report = self.relate(fed.present)
         report.update(
             round=0,
             cause="initial",
             seconds=time.perf_counter() - tic,
-            **fcr_cost(ex),
-            unassigned=sorted(set(np.asarray(fed.present).tolist()) - set(ex.results)),
+            **fcr_cost(*exchanges),
+            unassigned=sorted(set(np.asarray(fed.present).tolist()) - set(self.centroids)),
         )
         self.fcr_reports.append(report)
         self.timeline.append((0, self.labels.copy()))

@@ -256,7 +256,7 @@ class Reclustering(Strategy):
 EVENT_KEYS = ("clusters", "cluster_sizes", "placement", "moved", "opened", "start_models", "ari", "nmi")
 
 
-def fcr_cost(ex: Exchange) -> dict:
-    """An FCR exchange's cost for its report: bytes, and emulated seconds with profiles."""
-    priced = {"emulated_s": ex.report["duration_s"]} if "duration_s" in ex.report else {}
-    return {"fcr_bytes": ex.bytes, **priced}
+def fcr_cost(*exchanges: Exchange) -> dict:
+    """FCR exchanges' cost for their report: bytes, and emulated seconds with profiles."""
+    timed = [ex.report["duration_s"] for ex in exchanges if "duration_s" in ex.report]
+    return {"fcr_bytes": sum(ex.bytes for ex in exchanges), **({"emulated_s": sum(timed)} if timed else {})}
