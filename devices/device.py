@@ -156,17 +156,14 @@ class Device:
         hello = {"name": self.name, "threads": torch.get_num_threads()}
         if self.credentials.token:  # loopback without CURVE: only we can claim our name
             hello["token"] = self.credentials.token
-        self.send(Message("hello", meta=hello))
         log.info("%s: connecting to %s (waiting for the server)", self.name, self.endpoint)
+        if (code := self.greet(Message("hello", meta=hello))) is not None:
+            return code
         handlers = {"assign": self.on_assign, "reset": self.on_reset, "drift": self.on_drift, "state": self.on_state}
         while True:
             if not self.sock.poll(1000):
-                if self.parent_pid and process_gone(self.parent_pid):  # orphaned
-                    log.warning("%s: parent process %s is gone; exiting", self.name, self.parent_pid)
-                    return 1
-                if why := self.handshakes.refused():
-                    log.error("%s: %s; exiting", self.name, why)
-                    return 2
+                if (code := self.cannot_go_on()) is not None:
+                    return code
                 continue
             frames = self.sock.recv_multipart(copy=False)
             try:
@@ -185,6 +182,32 @@ class Device:
             else:
                 self.rejected += 1
                 log.error("%s: unexpected message kind %r from server", self.name, msg.kind)
+
+    def greet(self, hello: Message) -> int | None:
+        """Queue the hello; None once it is, else the exit code. A DEALER's send blocks while
+        it has no connection, and after a protocol error (a device without keys at a CURVE
+        server) libzmq may drop the connection for good: a blocking hello then waited for
+        ever, before the refusal could be read."""
+        frames = encode(hello)
+        while True:
+            try:
+                self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return None
+            except zmq.Again:
+                if (code := self.cannot_go_on()) is not None:
+                    return code
+                time.sleep(0.1)
+
+    def cannot_go_on(self) -> int | None:
+        """The exit code when the emulator that started us is gone (1) or the server will
+        never talk to us (2, with why); None while waiting still makes sense."""
+        if self.parent_pid and process_gone(self.parent_pid):  # orphaned
+            log.warning("%s: parent process %s is gone; exiting", self.name, self.parent_pid)
+            return 1
+        if why := self.handshakes.refused():
+            log.error("%s: %s; exiting", self.name, why)
+            return 2
+        return None
 
     def send(self, msg: Message) -> None:
         self.sock.send_multipart(encode(msg), copy=False)

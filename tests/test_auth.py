@@ -237,6 +237,28 @@ def test_a_device_without_keys_at_a_curve_server_says_it_needs_them(key_dir):
         server.close()
 
 
+def test_a_device_whose_connection_libzmq_dropped_says_why_instead_of_blocking_on_its_hello():
+    """After a protocol error (a device without keys at a CURVE server) libzmq may drop the
+    connection for good before the hello is queued (6 of 30 probes), and a DEALER's send
+    blocks while it has no connection: the test above then hung silent, 1 run in 15 to 30.
+    Here the connection is dropped on purpose and the watch reports the refusal."""
+    from flt.devices.device import Device
+
+    endpoint = "tcp://127.0.0.1:9"  # nothing listens
+    dev = Device(endpoint, name="dev-x")
+    dev.sock.disconnect(endpoint)  # no connection left, as libzmq leaves it
+    dev.handshakes.refused = lambda: "the handshake with the server failed (protocol error)"
+    code: list[int] = []
+    runner = threading.Thread(target=lambda: code.append(dev.run()), daemon=True)
+    try:
+        runner.start()
+        runner.join(10)
+        assert code == [2]
+    finally:
+        if not runner.is_alive():
+            dev.sock.close(linger=0)
+
+
 @pytest.mark.slow
 def test_a_client_without_curve_cannot_reach_a_curve_server(key_dir):
     server = Transport(gate=Gate.from_dir(key_dir))
