@@ -110,11 +110,13 @@ class Federation:
         purpose: str | None = None,
         *,
         timeout_s: float | None = None,
+        again: Collection[int] = (),
     ) -> Exchange[Reply]:
         """Run one device op for these clients (a method's own, e.g. FLT's `choose`),
-        reported as an event named `purpose` (the op's name by default)."""
+        reported as an event named `purpose` (the op's name by default); the tasks of those
+        in `again`, asked once more, are not billed."""
         msgs = {c: op.message(rnd, c, call.tensors, call.meta) for c, call in calls.items()}
-        ex = self._exchange(purpose or op.name, rnd, msgs, [op], timeout_s=timeout_s)
+        ex = self._exchange(purpose or op.name, rnd, msgs, [op], timeout_s=timeout_s, again=again)
         return ex.decoded(lambda m: Reply(m.tensors, m.meta))
 
     def _exchange(
@@ -128,13 +130,16 @@ class Federation:
         clocked: bool = True,
         event: bool = True,
         strict: bool = False,
+        again: Collection[int] = (),
     ) -> Exchange[Message]:
         """The one path of every exchange: send `msgs` (each the task of one of `ops`),
         gather each client's reply, check it (the op's check), price what each answering
         client did (its payload down and up, and the op's `work`) on the emulated clock,
         and report the bytes by kind that crossed the socket meanwhile. `event` queues
         the report for the round's record; `clocked` False is for the emulator's own
-        measurements (evaluation), which are no part of the method."""
+        measurements (evaluation), which are no part of the method. `again`: clients asked
+        once more what they left unanswered; their tasks are not billed (a broken device
+        must not cost the method traffic), their replies are."""
         undeclared = [op.name for op in ops if self.ops and self.ops.get(op.name) != op]
         if undeclared:
             raise ValueError(
@@ -161,6 +166,7 @@ class Federation:
             movable=[c for c, op in op_of.items() if op.movable and not msgs[c].meta.get("resident")],
             cost=None if sizes is None else lambda c: float(sizes(c)[0]),
             strict=strict,
+            again=again,
         )
         ids = np.array(sorted(replies), dtype=np.int64)
         down = np.array([_payload(msgs[c]) for c in ids.tolist()], dtype=np.float64)
@@ -240,17 +246,24 @@ class Federation:
         return {c: m.meta for c, m in ex.results.items()}
 
     def embed(
-        self, rnd: int, clients: np.ndarray, tensors: dict[str, np.ndarray], meta: dict, purpose: str = "fcr"
+        self,
+        rnd: int,
+        clients: np.ndarray,
+        tensors: dict[str, np.ndarray],
+        meta: dict,
+        purpose: str = "fcr",
+        again: Collection[int] = (),
     ) -> Exchange[tuple[np.ndarray, np.ndarray, dict[str, np.ndarray] | None]]:
-        """Send an encoder to each client (once per client, counted as 'encoder' bytes) and
-        collect its k x e centroids, their k shares of its samples and the same summary of
-        each half of its data (None for a client with fewer than two samples); the
-        exchange is priced and reported as `purpose`."""
+        """Send an encoder to each client (once per client, counted as 'encoder' bytes, but
+        to those in `again`, asked once more) and collect its k x e centroids, their k
+        shares of its samples and the same summary of each half of its data (None for a
+        client with fewer than two samples); the exchange is priced and reported as
+        `purpose`."""
         msgs = {
             int(c): EMBED.message(rnd, int(c), tensors, {**meta, "seed": self._seed(rnd, 1)})
             for c in np.asarray(clients).tolist()
         }
-        ex = self._exchange(purpose, rnd, msgs, [EMBED], timeout_s=self.timeout_s * 4)
+        ex = self._exchange(purpose, rnd, msgs, [EMBED], timeout_s=self.timeout_s * 4, again=again)
         return ex.decoded(lambda m: (m.tensors["centroids"].copy(), m.tensors["shares"].astype(np.float64), _halves(m)))
 
     # -- checkpoints -------------------------------------------------------------------

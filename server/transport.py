@@ -16,6 +16,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from typing import cast
 
 import numpy as np
@@ -156,7 +157,7 @@ class Transport:
         self.pinned: set[int] = set()  # clients whose host now holds more than the shard (routing.py)
         self.sent_to: dict[int, str] = {}  # client id -> device its latest task went to, if not its host
         self.moved = 0  # tasks run by a device other than their client's host, over the run
-        self.resent = 0  # tasks sent again, unbilled, because their device was late (_resend)
+        self.resent = 0  # tasks sent again, unbilled, because their device was late (_resend, `again`)
         self.lost_devices: set[str] = set()
         self.late: set[str] = set()  # owed replies when an exchange timed out; until they next send (routing.py)
         self._was_late: set[str] = set()  # late at least once this run (warned)
@@ -397,6 +398,7 @@ class Transport:
         movable: Collection[int] = (),
         cost: Callable[[int], float] | None = None,
         strict: bool = False,
+        again: Collection[int] = (),
     ) -> dict[int, Message]:
         """Send one message per client, collect one reply per client (of kind `reply`, or
         `reply[client]` when the clients were asked different things).
@@ -417,7 +419,9 @@ class Transport:
         device that still owes replies when it runs out is late (`_mark_late`): its movable
         tasks go once more, unbilled, to other holders of their shards (`_resend`), and the
         wait goes on for them. `strict`: cut at `timeout_s` whatever the devices do
-        (real-time mode's deadline)."""
+        (real-time mode's deadline). `again`: clients whose task repeats one they left
+        unanswered (a method asking a late client once more): sent unbilled too, their
+        replies billed as any."""
         batch = next(self.own_batches if own else self.batches)
         home = {c: self.client_device[c] for c in tasks}
         movable = [c for c in movable if c in tasks and c not in self.pinned]
@@ -428,7 +432,7 @@ class Transport:
         # owed from the first send on, not only once the wait starts: a checkpoint's gather
         # follows the round's record at once, so an interrupt timed by that record falls here
         self._owed = (batch, waiting, dest)  # stays only if an interrupt ends the gather
-        self._send_tasks(tasks, dest, batch, waiting)
+        self._send_tasks(tasks, dest, batch, waiting, again=frozenset(again))
         results: dict[int, Message] = {}
         start = time.monotonic()
         deadline = start + timeout_s
@@ -494,10 +498,11 @@ class Transport:
         batch: int,
         waiting: set[int],
         billed: bool = True,
+        again: AbstractSet[int] = frozenset(),
     ) -> None:
         """Send the tasks of the clients in `dest` to their devices, as `batch`, each
-        device's last one marked; a device found gone is lost and its clients are no
-        longer awaited."""
+        device's last one marked, unbilled where `billed` is False or the client is in
+        `again`; a device found gone is lost and its clients are no longer awaited."""
         by_device: dict[str, list[int]] = defaultdict(list)
         for cid, device in dest.items():
             by_device[device].append(cid)
@@ -509,7 +514,8 @@ class Transport:
                     msg = tasks[cid]
                     msg.meta = {**msg.meta, "batch": batch, "last": int(i == len(cids) - 1)}
                     waiting.add(cid)  # before the send: an interrupt held back through it comes right after
-                    self.send(device, msg, billed)
+                    self.send(device, msg, billed and cid not in again)
+                    self.resent += cid in again
                     if device == self.client_device[cid]:
                         self.sent_to.pop(cid, None)
                     else:

@@ -155,7 +155,7 @@ class PricedEmbedder:
         self.truth, self.seconds, self.nbytes = truth, seconds, nbytes
         self.present = np.arange(len(truth))
 
-    def embed(self, rnd, clients, tensors, meta, purpose="fcr") -> Exchange:
+    def embed(self, rnd, clients, tensors, meta, purpose="fcr", again=()) -> Exchange:
         rng = np.random.default_rng(rnd)
         got = {
             int(c): (

@@ -208,11 +208,13 @@ class Embedder:
 
     def __init__(self, truth, silent=()):
         self.truth, self.silent, self.calls = truth, set(silent), []
+        self.again: list[list[int]] = []  # per call, the clients asked once more (their tasks unbilled)
         self.present = np.arange(len(truth))
 
-    def embed(self, rnd, clients, tensors, meta, purpose="fcr"):
+    def embed(self, rnd, clients, tensors, meta, purpose="fcr", again=()):
         clients = [int(c) for c in clients]
         self.calls.append((rnd, clients))
+        self.again.append(sorted(again))
         rng = np.random.default_rng(rnd)
         got = {
             c: (
@@ -245,10 +247,10 @@ def clustered_flt(tmp_path, silent=(), retries=0, late=None, **params) -> tuple[
     if late is not None:
         embed = fed.embed
 
-        def wakes(rnd, clients, tensors, meta, purpose="fcr"):
+        def wakes(rnd, clients, tensors, meta, purpose="fcr", again=()):
             if len(fed.calls) == late:
                 fed.silent.clear()
-            return embed(rnd, clients, tensors, meta, purpose)
+            return embed(rnd, clients, tensors, meta, purpose, again)
 
         fed.embed = wakes
     s.setup(fed, retries=retries)
@@ -287,7 +289,7 @@ def test_a_client_whose_centroids_did_not_come_is_asked_again_at_the_rounds_end(
     assert s.labels[5] == -1 and 5 in s.flag_round
     fed.silent.clear()
     (event,) = s.maintain(1, fed)
-    assert event["cause"] == "retry" and fed.calls[-1] == (1, [5])
+    assert event["cause"] == "retry" and fed.calls[-1] == (1, [5]) and fed.again[-1] == [5]
     assert s.labels[5] == s.labels[4] and not s.flag_round  # client 5 is in planted cluster 1, with 4
 
 
@@ -298,6 +300,7 @@ def test_flt_relate_asks_a_late_client_again_before_it_clusters(tmp_path, late, 
     (before, it clustered only the clients that answered the first request)."""
     s, fed = clustered_flt(tmp_path, silent={5}, retries=2, late=late)
     assert fed.calls == [(0, list(range(12)))] + [(0, [5])] * min(late, 2)
+    assert fed.again == [[]] + [[5]] * min(late, 2)  # asked again: its encoder is not billed twice
     report = s.fcr_reports[0]
     assert len(s.fcr_reports) == 1 and report["unassigned"] == ([] if clustered else [5])
     assert (s.labels[5] == s.labels[4]) if clustered else (s.labels[5] == -1 and 5 in s.flag_round)
@@ -329,8 +332,8 @@ def test_a_periodic_re_run_keeps_the_clusters_unless_its_own_is_better_by_the_sl
     s, fed = clustered_flt(tmp_path, recluster_every=4)
     embed = fed.embed
 
-    def moved(rnd, clients, tensors, meta, purpose="fcr"):
-        ex = embed(rnd, clients, tensors, meta, purpose)
+    def moved(rnd, clients, tensors, meta, purpose="fcr", again=()):
+        ex = embed(rnd, clients, tensors, meta, purpose, again)
         for c in (10, 11):
             ex.results[c] = (ex.results[c][0] + shift * np.eye(8, dtype=np.float32)[7], *ex.results[c][1:])
         return ex

@@ -149,6 +149,27 @@ def test_a_device_that_timed_out_gets_no_movable_task_until_it_answers_again():
         assert not server.late
 
 
+def test_a_task_asked_again_of_a_client_that_left_it_unanswered_is_not_billed_and_its_reply_is():
+    """FLT's encoder and PACFL's subspace request, sent again to a client whose device was
+    late: a broken device must not cost the method traffic, as a moved task's second send
+    does not (the quickstart's FLT with a device frozen at set-up paid 1.06 MB more)."""
+    stop = threading.Event()
+
+    def device(name):
+        return lambda task: [Message("metrics", 0, task.client, meta={"batch": task.meta["batch"]})]
+
+    with _holders_of_dev_as_clients(device, stop) as server:
+        tasks = {c: Message("evaluate", 0, c, tensors={"model": np.ones(64, np.float32)}) for c in range(4)}
+        assert sorted(server.gather(tasks, "metrics", 10)) == [0, 1, 2, 3]
+        first = server.ledger.totals()
+        assert sorted(server.gather(tasks, "metrics", 10, again=[1, 3])) == [0, 1, 2, 3]
+        second = server.ledger.totals()
+        for way, messages in (("down", 2), ("up", 4)):  # tasks of clients 0 and 2; every reply
+            got = {k: second[way]["evaluation"][k] - first[way]["evaluation"][k] for k in ("messages", "payload")}
+            assert got == {"messages": messages, "payload": messages * first[way]["evaluation"]["payload"] // 4}
+        assert server.resent == 2
+
+
 def test_an_evaluation_with_a_sent_model_moves_and_one_of_the_hosts_own_model_stays():
     """The federation's evaluation: a task that carries the model reads only the client's
     test shard, so it is spread (and passes by a frozen host); Local's reads the model its

@@ -577,8 +577,8 @@ class FakeFederation:
             self._count("up", "embedding", basis.numel() * 4)
         return Exchange(out, sorted(out), {"bytes": {}})
 
-    def embed(self, rnd, clients, tensors, meta, purpose="fcr"):
-        self._count("down", "encoder", sum(t.nbytes for t in tensors.values()) * len(clients))
+    def embed(self, rnd, clients, tensors, meta, purpose="fcr", again=()):
+        self._count("down", "encoder", sum(t.nbytes for t in tensors.values()) * (len(clients) - len(again)))
         e = meta["latent"]
         g = torch.Generator().manual_seed(7)
         out = {}
@@ -827,9 +827,10 @@ def test_pacfl_asks_a_client_whose_subspace_did_not_come_again_and_places_it(tmp
     fed = FakeFederation(targets, ctx.n_train)
     fed.present = np.arange(m)
     unanswered = {2: 1, 6: 99}  # requests each leaves unanswered
-    answer = fed.run
+    answer, again = fed.run, []
 
     def flaky(op, rnd, calls, purpose=None, **kw):
+        again.append(sorted(kw.get("again", ())))
         ex = answer(op, rnd, calls, purpose)
         for c in list(ex.results):
             if unanswered.get(c, 0) > 0:
@@ -843,6 +844,7 @@ def test_pacfl_asks_a_client_whose_subspace_did_not_come_again_and_places_it(tmp
     assert s.labels[2] == s.labels[6] == -1
     (event,) = s.maintain(1, fed)
     assert event["kind"] == "retry" and event["clients"] == [2, 6]
+    assert again == [[], [2, 6]]  # asked once more: those requests are not billed
     assert s.labels[2] == s.labels[0] and s.labels[6] == -1
     with caplog.at_level(logging.WARNING, logger="flt.server"):
         later = [s.maintain(rnd, fed) for rnd in range(2, 6)]

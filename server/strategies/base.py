@@ -12,7 +12,7 @@ What it found that is worth a file (FCR's adjacency, its plots) it `emit`s as an
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
@@ -98,7 +98,13 @@ class FederationView(Protocol):
     ) -> dict[int, dict]: ...
 
     def embed(
-        self, rnd: int, clients: np.ndarray, tensors: dict[str, np.ndarray], meta: dict, purpose: str = "fcr"
+        self,
+        rnd: int,
+        clients: np.ndarray,
+        tensors: dict[str, np.ndarray],
+        meta: dict,
+        purpose: str = "fcr",
+        again: Collection[int] = (),
     ) -> Exchange[tuple[np.ndarray, np.ndarray, dict[str, np.ndarray] | None]]: ...  # centroids, shares, halves
 
     def run(
@@ -109,9 +115,12 @@ class FederationView(Protocol):
         purpose: str | None = None,
         *,
         timeout_s: float | None = None,
+        again: Collection[int] = (),
     ) -> Exchange[Reply]:
         """Any device op the method declared (FLT's `choose`): one task per client, the
-        replies checked by the op's check."""
+        replies checked by the op's check. `again`: clients asked once more what they left
+        unanswered; their tasks are not billed (a broken device must not cost the method
+        traffic)."""
         ...
 
 

@@ -141,8 +141,10 @@ class FLT(Reclustering):
     def embed(self, fed: FederationView, clients: np.ndarray, rnd: int, purpose: str = "fcr") -> Exchange:
         """Send the encoder to `clients`, keep the k x e centroids they send back; a client
         that re-embedded has no outstanding flag any more. Returns the exchange (who
-        answered, its bytes and emulated seconds), reported as `purpose`."""
-        ex = fed.embed(rnd, np.asarray(clients), self.payload, self.payload_meta, purpose)
+        answered, its bytes and emulated seconds), reported as `purpose`. The encoder sent
+        again to a client that left its last request unanswered is not billed."""
+        again = [c for c in np.asarray(clients).tolist() if self.embed_misses.get(c, 0)]
+        ex = fed.embed(rnd, np.asarray(clients), self.payload, self.payload_meta, purpose, again=again)
         got = {c: v[0] for c, v in ex.results.items()}
         self.centroid_shares.update({c: v[1] for c, v in ex.results.items()})
         for c, v in ex.results.items():  # a re-embedding replaces a client's halves, or drops them
@@ -153,7 +155,7 @@ class FLT(Reclustering):
         if self.params["k"] == "labels":  # rows are [mean embedding, class]
             self.centroid_classes.update({c: v[:, -1].astype(np.int64) for c, v in got.items()})
             got = {c: np.ascontiguousarray(v[:, :-1]) for c, v in got.items()}
-        self.encoders_sent += len(clients)
+        self.encoders_sent += len(clients) - len(again)
         self.centroids.update(got)
         self.centroids_sent += sum(len(c) for c in got.values())
         self.centroids_sent += sum(len(v[2]["a"]) + len(v[2]["b"]) for v in ex.results.values() if v[2] is not None)

@@ -131,9 +131,11 @@ class PACFL(Strategy):
         self.models = self.on(self.ctx.init.clone())[None].repeat(int(labels.max()) + 1, 1)
 
     def collect(self, fed: FederationView, clients: np.ndarray, rnd: int, purpose: str) -> dict[int, np.ndarray]:
-        """Each client's class bases [p*J, d], kept for newcomers to be compared with."""
+        """Each client's class bases [p*J, d], kept for newcomers to be compared with (a
+        request repeated to a client that left the last one unanswered is not billed)."""
         meta = {"basis": self.p, "dim": int(np.prod(self.ctx.in_shape))} if self.ctx.in_shape else {"basis": self.p}
-        ex = fed.run(SUBSPACE, rnd, {int(c): Call({}, meta) for c in clients.tolist()}, purpose)
+        calls = {int(c): Call({}, meta) for c in clients.tolist()}
+        ex = fed.run(SUBSPACE, rnd, calls, purpose, again=[c for c in calls if self.misses.get(c, 0)])
         got = {c: r.tensors["basis"].astype(np.float64) for c, r in ex.results.items()}
         self.bases.update(got)
         self.basis_bytes += sum(int(b.size) * 4 for b in got.values())
