@@ -89,10 +89,23 @@ class Federation:
         self.model_size = model_size  # a device-held model in a checkpoint snapshot must have it
         self.timeout_s, self.device = timeout_s, device
         self.method = ""
-        self.present = np.zeros(0, dtype=np.int64)  # clients in the population now
+        self._present = np.zeros(0, dtype=np.int64)  # clients in the population now (`present`)
         self.clock: ExchangeClock | None = None  # the running method's population
         self.events: list[dict] = []  # one-off exchanges' reports, for the next record
         self.ops: dict[str, DeviceOp] = {}  # the running method's declared device ops (empty: any)
+
+    @property
+    def present(self) -> np.ndarray:
+        """Clients in the population now, less those of devices lost since it was set (a
+        device lost mid-round: its clients are asked nothing more, e.g. by `flt relate`'s
+        retries or a re-clustering at the round's end)."""
+        if not self.transport.lost_devices:
+            return self._present
+        return np.setdiff1d(self._present, self.transport.lost_clients())
+
+    @present.setter
+    def present(self, clients: np.ndarray) -> None:
+        self._present = np.asarray(clients, dtype=np.int64)
 
     def _seed(self, rnd: int, salt: int = 0) -> int:
         return (self.seed * 7919 + rnd * 104_729 + salt) % (2**31)

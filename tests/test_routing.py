@@ -170,6 +170,22 @@ def test_a_task_asked_again_of_a_client_that_left_it_unanswered_is_not_billed_an
         assert server.resent == 2
 
 
+def test_a_lost_devices_clients_leave_the_present_population_at_once():
+    """A device lost mid-exchange: what a strategy asks next in the same round (`flt
+    relate`'s retries, a re-clustering at the round's end) goes to the live clients only;
+    relate asked the lost ones again, twice, and logged it."""
+    server = Transport()
+    try:
+        server.client_device.update({0: "dev-a", 1: "dev-a", 2: "dev-b", 3: "dev-b"})
+        fed = Federation(server, {}, seed=0, timeout_s=10, device=torch.device("cpu"))
+        fed.present = np.arange(4)
+        assert fed.present.tolist() == [0, 1, 2, 3]
+        server.lose("dev-b", "process exited")
+        assert fed.present.tolist() == [0, 1]
+    finally:
+        server.sock.close(linger=0)
+
+
 def test_an_evaluation_with_a_sent_model_moves_and_one_of_the_hosts_own_model_stays():
     """The federation's evaluation: a task that carries the model reads only the client's
     test shard, so it is spread (and passes by a frozen host); Local's reads the model its
