@@ -287,6 +287,7 @@ def test_a_client_whose_centroids_did_not_come_is_asked_again_at_the_rounds_end(
     null) it embeds again at the end of round 1 and joins its cluster."""
     s, fed = clustered_flt(tmp_path, silent={5}, recluster_flags=None)
     assert s.labels[5] == -1 and 5 in s.flag_round
+    assert "  no centroids came from clients [5]: asked again after round 1" in "\n".join(s.take_notes())
     fed.silent.clear()
     (event,) = s.maintain(1, fed)
     assert event["cause"] == "retry" and fed.calls[-1] == (1, [5]) and fed.again[-1] == [5]

@@ -57,6 +57,8 @@ class Reclustering(Strategy):
         first, *rest = lines
         when = f"round {report['round']} ({report['cause']})" if report.get("round") else "set-up"
         placement = {"kept": ", clusters kept", "rerun": ", re-run taken"}.get(str(report.get("placement")), "")
+        if missing := report.get("unassigned"):  # the set-up's: FLT._ask_again asks them again
+            rest.append(f"no centroids came from clients {missing}: asked again after round 1 (global model till then)")
         self.notes += [f"FCR at {when}{placement}: {first}", *(f"  {line}" for line in rest)]
 
     def relate(self, clients: np.ndarray, tag: str = "", fresh: np.ndarray | None = None) -> dict:
