@@ -102,6 +102,7 @@ def _relate(cfg: dict, spec: dict, run_dir: Path, progress: Progress, umap: bool
             "wall_s": time.perf_counter() - tic,
             "bytes": _fcr_traffic(transport),
             "planted_clusters": int(len(np.unique(partition.cluster[partition.cluster >= 0]))),
+            "lost": transport.lost_clients().tolist(),  # their device ended: not related
         }
     finally:
         with deferred_interrupt():  # a second Ctrl-C must not cut the devices' shutdown short (emulator/run.py)
@@ -129,13 +130,15 @@ def _fcr_traffic(transport: Transport) -> dict:
 def describe(r: dict) -> str:
     first, *rest = describe_clustering(r)
     mb = sum(sum(v.values()) for v in r["bytes"].values()) / 1e6
-    missing = r.get("unassigned") or []
+    missing, lost = r.get("unassigned") or [], r.get("lost") or []
     unheard = f"no centroids came from clients {missing} in {EMBED_RETRIES} requests: they are in no cluster"
+    gone = f"clients {lost} were not related: their device was lost (the log says why)"
     return "\n".join(
         [
             f"FCR ({r['method']}): {first}",
             *(f"  {line}" for line in rest),
             *([f"  {unheard}"] if missing else []),
+            *([f"  {gone}"] if lost else []),
             f"  {r['n_clients']} clients, {mb:.2f} MB on the wire (encoder + centroids), "
             f"{r['wall_s']:.1f} s in all, {r['server_seconds']:.2f} s of it clustering on the server",
         ]

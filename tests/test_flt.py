@@ -314,6 +314,8 @@ def test_flt_relate_names_the_clients_it_could_not_cluster():
     assert "no centroids came" not in describe(report | {"unassigned": []})
     said = describe(report | {"unassigned": [5, 7]}).splitlines()
     assert said[-2] == f"  no centroids came from clients [5, 7] in {EMBED_RETRIES} requests: they are in no cluster"
+    said = describe(report | {"lost": [1, 2]}).splitlines()
+    assert said[-2] == "  clients [1, 2] were not related: their device was lost (the log says why)"
 
 
 def test_a_clustered_client_that_misses_a_periodic_re_embedding_keeps_its_cluster(tmp_path):
