@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from typing import TypeGuard
 
 import numpy as np
+import zmq
 
 from flt.common.errors import short as _short
+from flt.common.interrupts import deferred_interrupt
 
 VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
@@ -218,6 +220,30 @@ def _element_count(name: str, shape) -> int:
 
 def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def receive(sock: zmq.Socket, user_id: bool = False) -> tuple[list[bytes | bytearray], str | None]:
+    """The next multipart message, copied out of ZeroMQ's frames (the first as bytes, the
+    rest writable), with Ctrl-C and SIGTERM held back until it is read whole and those
+    frames are freed. A zmq.Frame checks for signals when it is freed; a KeyboardInterrupt
+    raised there cannot leave its destructor, and Python prints it and drops it: a run
+    went on after its Ctrl-C. So no frame may outlive this call. With `user_id`, also the
+    User-Id the ZAP handler stamped on the message (a CURVE key's name), else None."""
+    with deferred_interrupt():  # a tail left unread would also pass for a message of its own
+        received = sock.recv_multipart(copy=False)
+        stamp = _user_id(received) if user_id else None
+        frames: list[bytes | bytearray] = [received[0].bytes, *(bytearray(f.buffer) for f in received[1:])]
+        del received  # each frame's check for signals happens here, where it only records one
+    return frames, stamp
+
+
+def _user_id(frames: list[zmq.Frame]) -> str | None:
+    if len(frames) < 2:
+        return None
+    try:
+        return str(frames[1].get("User-Id"))  # pyzmq's stub types a property as int | str
+    except zmq.ZMQError:  # no ZAP handler stamped it
+        return None
 
 
 def frame_bytes(frames: list) -> tuple[int, int]:

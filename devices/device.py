@@ -30,7 +30,7 @@ import zmq
 from flt.common.determinism import deterministic_kernels
 from flt.common.heap import limit_heap_retention, skip_triton, working_heap
 from flt.common.keys import Credentials, HandshakeWatch
-from flt.common.wire import Message, ProtocolError, decode, encode
+from flt.common.wire import Message, ProtocolError, decode, encode, receive
 from flt.devices import ops
 from flt.devices.trainer import CohortTrainer
 from flt.devices.watch import Watch
@@ -165,7 +165,7 @@ class Device:
                 if (code := self.cannot_go_on()) is not None:
                     return code
                 continue
-            frames = self.sock.recv_multipart(copy=False)
+            frames, _ = receive(self.sock)  # Ctrl-C held back while it is read (common/wire.py)
             try:
                 msg = decode(frames)
             except ProtocolError as exc:
@@ -191,7 +191,7 @@ class Device:
         frames = encode(hello)
         while True:
             try:
-                self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
                 return None
             except zmq.Again:
                 if (code := self.cannot_go_on()) is not None:
@@ -210,7 +210,8 @@ class Device:
         return None
 
     def send(self, msg: Message) -> None:
-        self.sock.send_multipart(encode(msg), copy=False)
+        # copied: a zero-copy send frees a zmq.Frame, whose check for signals drops a Ctrl-C
+        self.sock.send_multipart(encode(msg))
 
     def _guard(self, fn, msg: Message) -> None:
         try:

@@ -245,7 +245,7 @@ class Federation:
     def _tensor(self, msg: Message, name: str) -> torch.Tensor | None:
         if name not in msg.tensors:
             return None
-        return torch.from_numpy(msg.tensors[name].copy()).to(self.device)
+        return torch.from_numpy(msg.tensors[name]).to(self.device)  # its own writable copy (wire.receive)
 
     def evaluate(self, rnd: int, clients: np.ndarray, models: torch.Tensor | None, rows: np.ndarray) -> dict[int, dict]:
         """Evaluate client c with models[rows[i]] on its own test shard (on its device).

@@ -17,14 +17,22 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
-from typing import cast
 
 import numpy as np
 import zmq
 
 from flt.common.errors import DeviceError, FltError, short
 from flt.common.interrupts import deferred_interrupt
-from flt.common.wire import MAX_HEADER_BYTES, TRAFFIC_CLASSES, Message, ProtocolError, decode, encode, frame_bytes
+from flt.common.wire import (
+    MAX_HEADER_BYTES,
+    TRAFFIC_CLASSES,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+    frame_bytes,
+    receive,
+)
 from flt.server.auth import Gate, Refused
 from flt.server.routing import spread
 
@@ -232,9 +240,8 @@ class Transport:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
                 return None
-            with deferred_interrupt():  # a tail left unread would pass for a message of its own
-                frames = self.sock.recv_multipart(copy=False)
-            rid = frames[0].bytes
+            frames, user_id = receive(self.sock, user_id=self.gate.curve)
+            rid = bytes(frames[0])
             ident = self.names.get(rid) or _peer(rid)
             try:
                 msg = decode(frames[1:])
@@ -244,7 +251,7 @@ class Transport:
             payload, header = frame_bytes(frames[1:])
             size = (payload, header + len(frames[0]))
             if msg.kind == "hello" and rid not in self.names:
-                admitted = self._admit(rid, frames, msg, size)
+                admitted = self._admit(rid, user_id, msg, size)
                 if admitted is None:
                     continue
                 ident = admitted
@@ -306,11 +313,9 @@ class Transport:
         self._logged_at[reason] = now
 
     # -- devices ----------------------------------------------------------------------
-    def _admit(self, rid: bytes, frames: list[zmq.Frame], msg: Message, size: tuple[int, int]) -> str | None:
+    def _admit(self, rid: bytes, user_id: str | None, msg: Message, size: tuple[int, int]) -> str | None:
         """A new connection's hello: the gate names it (its CURVE key's name, or a name with
         the right token) or refuses it; a refused hello gets no answer and is counted."""
-        # the ZAP handler stamps the key's name (a str); pyzmq's stub types a property as int | str
-        user_id = cast(str, frames[1].get("User-Id")) if self.gate.curve else None
         try:
             name = self.gate.admit(msg.meta, user_id, taken=self.routes)
         except Refused as exc:

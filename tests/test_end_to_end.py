@@ -247,7 +247,11 @@ def stop_after_three_rounds(out: Path, signum: int, times: int = 1) -> tuple[sub
     for i in range(times):
         time.sleep(0.05 * (i > 0))
         proc.send_signal(signum)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # the whole stderr, not the repr's first and last lines
+        proc.kill()
+        pytest.fail(f"the run did not stop within 60 s of the signal; its stderr:\n{proc.communicate()[1]}")
     return proc, err, metrics
 
 
