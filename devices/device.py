@@ -29,6 +29,7 @@ import zmq
 
 from flt.common.determinism import deterministic_kernels
 from flt.common.heap import limit_heap_retention, skip_triton, working_heap
+from flt.common.interrupts import deferred_interrupt
 from flt.common.keys import Credentials, HandshakeWatch
 from flt.common.wire import Message, ProtocolError, decode, encode, receive
 from flt.devices import ops
@@ -210,8 +211,10 @@ class Device:
         return None
 
     def send(self, msg: Message) -> None:
-        # copied: a zero-copy send frees a zmq.Frame, whose check for signals drops a Ctrl-C
-        self.sock.send_multipart(encode(msg))
+        # a zero-copy send frees a zmq.Frame, whose check for signals would drop a Ctrl-C
+        # raised there (common/wire.py receive): held back until the send returns
+        with deferred_interrupt():
+            self.sock.send_multipart(encode(msg), copy=False)
 
     def _guard(self, fn, msg: Message) -> None:
         try:

@@ -103,11 +103,12 @@ def shard_data(device: Device, batch: list[Message]) -> tuple[list[torch.Tensor]
 
 def sent_models(batch: list[Message]) -> list[torch.Tensor]:
     """The models [K, P] each task carries as tensor "model" (K candidates for an op that
-    picks one of them)."""
+    picks one of them): views of the message's own copy (common/wire.py receive), read
+    only here; the ops that train stack them into a tensor of their own."""
     missing = [m.client for m in batch if "model" not in m.tensors]
     if missing:
         raise ValueError(f"clients {missing[:10]}: the {op_name(batch[0])!r} task carries no tensor 'model'")
-    return [torch.from_numpy(np.array(m.tensors["model"], dtype=np.float32)) for m in batch]
+    return [torch.from_numpy(np.asarray(m.tensors["model"], dtype=np.float32)) for m in batch]
 
 
 def resident_model(device: Device, msg: Message) -> torch.Tensor:
