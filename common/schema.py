@@ -26,6 +26,9 @@ class ConfigError(FltError, ValueError):
     """A scenario file, `--set` or `--methods` that cannot be run; names the file and field."""
 
 
+INT_MAX = 2**31 - 1  # a C int: the bound of an int field without a max of its own
+
+
 @dataclass
 class Field:
     types: tuple | type
@@ -70,6 +73,9 @@ class Field:
                 raise ConfigError(f"{where}: {value} is below the minimum {'>' if self.open_min else '>='} {self.min}")
             if self.max is not None and value > self.max:
                 raise ConfigError(f"{where}: {value} is above the maximum {self.max}")
+            if isinstance(value, int) and self.max is None and abs(value) > INT_MAX:
+                # counts reach C ints in torch, NumPy and SciPy: a larger one was a traceback mid-run
+                raise ConfigError(f"{where}: {value} is out of range (at most 2^31 - 1 = {INT_MAX})")
         if self.rule is not None and (expected := self.rule(value)):
             raise ConfigError(f"{where}: expected {expected}, got {short(value)}")
         return value

@@ -173,7 +173,8 @@ DEVICES = {
         "server address; tcp://0.0.0.0:5555 accepts other hosts",
         rule=partial(endpoint_problem, listen=True),
     ),
-    "threads": Field(int, 1, "torch threads per device process", min=1),
+    # 2^31 - 1 threads kept every device from loading for 120 s; 1,024 is more cores than a host has
+    "threads": Field(int, 1, "torch threads per device process", min=1, max=1024),
     "accelerator": Field(
         str,
         "auto",
@@ -278,7 +279,8 @@ POPULATION = {
 
 SCENARIO = {
     "name": Field(str, "scenario", "a label for the run"),
-    "seed": Field(int, 0, "seeds partition, sampling, initial weights, k-means, UMAP", min=0),
+    # scikit-learn's and UMAP's random_state take the seed as it is, and they accept < 2**32
+    "seed": Field(int, 0, "seeds partition, sampling, initial weights, k-means, UMAP", min=0, max=2**32 - 1),
     "data": section(DATA, "the dataset"),
     "partition": section(PARTITION, "how the data is split into clients"),
     "model": Field(str, "mlp", "client model", choices=("mlp", "leaf_cnn", "cifar_cnn")),
@@ -404,6 +406,7 @@ def _against(value: str, base: Path) -> str:
 
 def resolve(raw: dict) -> dict:
     cfg = validate(copy.deepcopy(raw), SCENARIO)
+    given = [entry if isinstance(entry, dict) else {} for entry in cfg["methods"]]
     cfg["methods"] = [m.__dict__ for m in parse_methods(cfg["methods"])]
     _check_events(cfg["population"], cfg["train"]["rounds"], cfg["partition"])
     if cfg["devices"]["processes"] == 0 and cfg["devices"]["external"] == 0:
@@ -439,7 +442,23 @@ def resolve(raw: dict) -> dict:
             _check_encoder(spec["params"]["encoder"], cfg, f"methods[{i}]({spec['label']}).encoder")
         if spec["name"] == "fedprox":
             _check_prox(spec["params"]["mu"], cfg["train"], f"methods[{i}]({spec['label']}).mu")
+        _check_model_count(spec, given[i], p["clients"], f"methods[{i}]({spec['label']})")
     return cfg
+
+
+# the parameter that counts the models a method keeps on the server (and IFCA sends to each client)
+MODEL_COUNT = {"ifca": "clusters", "fedsem": "centers", "fesem_soft": "centers", "fedgroup": "groups"}
+
+
+def _check_model_count(spec: dict, given: dict, clients: int, where: str) -> None:
+    """A count given above the clients is a mistake (their models cannot all be trained),
+    refused before it is allocated; the default count (5) stays usable with fewer clients."""
+    key = MODEL_COUNT.get(spec["name"])
+    if key and key in given and spec["params"][key] > clients:
+        raise ConfigError(
+            f"{where}.{key}: {spec['params'][key]} models for {clients} clients (partition.clients); "
+            "at most one a client"
+        )
 
 
 def _check_prox(mu: float, train: dict, where: str) -> None:

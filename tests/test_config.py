@@ -222,6 +222,53 @@ def test_momentum_is_plain_sgd_unless_asked_and_bounded():
         config.load(QUICKSTART, ["train.momentum=1.5"])
 
 
+def test_seed_is_bounded_by_what_every_seeded_library_accepts():
+    import numpy as np
+    import torch
+    from sklearn.utils import check_random_state
+
+    with pytest.raises(ConfigError, match=r"seed: 4294967296 is above the maximum 4294967295"):
+        config.load(QUICKSTART, ["seed=4294967296"])  # was a torch traceback mid-run
+    top = config.load(QUICKSTART, ["seed=4294967295"])["seed"]
+    torch.manual_seed(top)  # initial weights
+    check_random_state(top)  # k-means, PCA and UMAP take the seed as it is
+    np.random.default_rng([top, 0x9B])  # partition and draws
+    with pytest.raises(ValueError):
+        check_random_state(top + 1)  # so the bound is scikit-learn's, not a guess
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [  # each was a traceback (OverflowError, a C int) or a hang mid-run
+        ("train.rounds=2147483648", r"train\.rounds: 2147483648 is out of range \(at most 2\^31 - 1"),
+        ("methods=[{name: pca_km_hc, components: 99999999999999999999}]", r"components: 9+ is out of range"),
+        ("methods=[{name: pacfl, clusters: 9223372036854775807}]", r"pacfl\)\.clusters: 9+\d+ is out of range"),
+        ("devices.threads=2147483647", r"devices\.threads: 2147483647 is above the maximum 1024"),
+    ],
+)
+def test_integers_beyond_what_the_libraries_take_are_refused(override, words):
+    with pytest.raises(ConfigError, match=words):
+        config.load(QUICKSTART, [override])
+    assert config.load(QUICKSTART, ["train.rounds=2147483647"])["train"]["rounds"] == 2**31 - 1
+
+
+@pytest.mark.parametrize(
+    "method, key", [("ifca", "clusters"), ("fedsem", "centers"), ("fesem_soft", "centers"), ("fedgroup", "groups")]
+)
+def test_more_server_models_than_clients_are_refused(method, key):
+    """IFCA with 10^20 clusters was an overflow traceback, and any count given above the
+    clients only allocates (and for IFCA sends) models no client can train."""
+    clients = config.load(QUICKSTART)["partition"]["clients"]
+    ok = config.load(QUICKSTART, [f"methods=[{{name: {method}, {key}: {clients}}}]"])
+    assert ok["methods"][0]["params"][key] == clients
+    with pytest.raises(
+        ConfigError, match=rf"methods\[0\]\({method}\)\.{key}: {clients + 1} models for {clients} clients"
+    ):
+        config.load(QUICKSTART, [f"methods=[{{name: {method}, {key}: {clients + 1}}}]"])
+    few = config.load(QUICKSTART, ["partition.clients=3", "partition.clusters=3", f"methods=[{method}]"])
+    assert few["methods"][0]["params"][key] == 5  # the default count is not the user's mistake
+
+
 @pytest.mark.parametrize(
     "umap, words",
     [
