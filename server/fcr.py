@@ -115,16 +115,22 @@ def umap_project(
 
     points = np.concatenate(centroids).astype(np.float32)
     n_neighbors = max(2, min(n_neighbors, len(points) - 1))
-    reducer = umap.UMAP(
-        n_components=n_components,
-        n_neighbors=n_neighbors,
-        min_dist=min_dist,
-        metric=metric,
-        random_state=seed,
-        n_jobs=1,
-        init="pca",
-    )
-    proj = reducer.fit_transform(points)
+    n_components = min(n_components, *points.shape)  # the PCA initialisation's bound: the points span no more
+    if len(points) < 3:  # UMAP's kNN graph needs three points; PCA keeps two points' distance exactly
+        centred = points - points.mean(0)
+        u, s, _ = np.linalg.svd(centred, full_matrices=False)  # scikit-learn's PCA warns on one point
+        proj = (u * s)[:, :n_components]
+    else:
+        reducer = umap.UMAP(
+            n_components=n_components,
+            n_neighbors=n_neighbors,
+            min_dist=min_dist,
+            metric=metric,
+            random_state=seed,
+            n_jobs=1,
+            init="pca",
+        )
+        proj = reducer.fit_transform(points)
     return np.split(proj, np.cumsum([len(c) for c in centroids])[:-1])
 
 

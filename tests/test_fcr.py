@@ -560,6 +560,26 @@ def test_umap_gives_the_same_projection_each_time_when_its_graph_falls_apart():
     assert first.shape == (300, 2)
 
 
+def test_two_centroids_in_all_are_projected_keeping_their_distance():
+    """UMAP's neighbour graph needs three points: two clients of one centroid each (k: 1)
+    were a ValueError mid-run. PCA alone projects them, the distance kept."""
+    a, b = np.array([[0.0, 0.0, 0.0]]), np.array([[3.0, 4.0, 0.0]])
+    pa, pb = fcr.umap_project([a, b], n_components=2, seed=0)
+    assert pa.shape == (1, 2) and np.linalg.norm(pa - pb) == pytest.approx(5.0, rel=1e-5)
+    (alone,) = fcr.umap_project([a], n_components=2)
+    assert alone.shape == (1, 1)
+
+
+@pytest.mark.slow  # numba compiles UMAP: about 14 s
+def test_umap_dimension_is_capped_at_what_the_centroids_span():
+    """n_components above the centroids' dimension was scikit-learn's ValueError from UMAP's
+    PCA initialisation, a traceback mid-run."""
+    rng = np.random.default_rng(1)
+    centroids = [rng.normal(size=(2, 3)) + 10.0 * (c % 2) for c in range(12)]
+    proj = fcr.umap_project(centroids, n_components=50, seed=0)
+    assert len(proj) == 12 and all(p.shape == (2, 3) and np.isfinite(p).all() for p in proj)
+
+
 def test_the_held_out_test_does_not_depend_on_which_half_comes_first():
     whole, halves, truth = small_clients(gap=0.8, seed=0, per=300)
     swapped = fcr.Halves(halves.members, halves.b, halves.a, halves.b_weights, halves.a_weights)
