@@ -191,8 +191,11 @@ def edc_features(updates: torch.Tensor, k: int, origin: torch.Tensor | None = No
     top = np.argsort(values, kind="stable")[::-1][:k]
     sigma = np.sqrt(np.clip(values[top], 0.0, None))
     norms = np.sqrt(np.clip(np.diag(gram), 0.0, None))
-    norms[norms == 0] = 1.0  # a zero update has cosine 0 with everything, as sklearn's
-    return vectors[:, top] * sigma / norms[:, None]
+    zero = norms == 0
+    norms[zero] = 1.0
+    features = vectors[:, top] * sigma / norms[:, None]
+    features[zero] = 0.0  # a zero update has cosine 0 with everything, as sklearn's; eigh leaves ~1e-18
+    return features
 
 
 def gram_matrix(rows: torch.Tensor, block: int = 1 << 20, origin: torch.Tensor | None = None) -> np.ndarray:
