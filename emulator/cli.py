@@ -141,8 +141,8 @@ def _device(args) -> int:
     def check() -> None:  # before the socket: a bad address was a ZeroMQ traceback
         if problem := endpoint_problem(args.connect, listen=False):
             raise FltError(f"--connect: expected {problem}, got {short(args.connect)}")
-        if args.threads < 1:
-            raise FltError(f"--threads: at least 1, got {args.threads}")
+        if not 1 <= args.threads <= 1024:  # as devices.threads: 10^20 was torch's overflow traceback
+            raise FltError(f"--threads: 1 to 1,024, got {args.threads}")
         creds.append(Credentials.load(args.key, args.server_key))
 
     if code := guarded(check):

@@ -503,11 +503,12 @@ def test_a_server_address_zeromq_would_refuse_or_wrap_is_refused_first(bind):
     [
         (["--connect", "bogus"], "--connect: expected tcp://HOST:PORT (PORT 1..65535) or ipc://PATH, got 'bogus'"),
         (["--connect", "tcp://127.0.0.1:*"], "--connect: expected tcp://HOST:PORT"),  # * only where one listens
-        (["--connect", "tcp://127.0.0.1:5555", "--threads", "0"], "--threads: at least 1, got 0"),
+        (["--connect", "tcp://127.0.0.1:5555", "--threads", "0"], "--threads: 1 to 1,024, got 0"),
+        (["--connect", "tcp://127.0.0.1:5555", "--threads", "99999999999999999999"], "--threads: 1 to 1,024"),
     ],
 )
 def test_a_device_started_by_hand_with_a_bad_address_is_one_line(args, words):
-    """`flt device --connect bogus` was a ZeroMQ traceback."""
+    """`flt device --connect bogus` was a ZeroMQ traceback, and `--threads 10^20` torch's."""
     assert_one_line_error(flt("device", *args, timeout=120), 2, words)
 
 
