@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from flt.common.errors import FltError
 from flt.common.files import make_folder
 from flt.common.schema import ConfigError
 from flt.reports import summary as report
@@ -48,7 +49,8 @@ class Run:
 
     @property
     def scenario(self) -> str:
-        return self.summary.get("scenario") or self.path.name
+        name = self.summary.get("scenario")
+        return name if isinstance(name, str) and name else self.path.name
 
     @property
     def name(self) -> str:
@@ -540,15 +542,54 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
 
 
+@dataclass
+class Pieces:
+    """One run's rows of each table, and its section of the page."""
+
+    rows: list[dict]
+    fcr: list[dict]
+    changes: list[dict]
+    events: list[dict]
+    groups: list[dict]
+    section: str
+
+
+# what a field of the wrong type or shape raises while a run's files are read and formatted
+DAMAGE: tuple[type[Exception], ...] = (KeyError, TypeError, ValueError, AttributeError, IndexError, OSError)
+DAMAGE += (EOFError, zipfile.BadZipFile, yaml.YAMLError)
+
+
+def read_run(run: Run, plots: Path) -> Pieces:
+    """A run folder's files come from disk, perhaps edited by hand or written by another
+    version: a missing field or one of the wrong type names the folder, not a traceback."""
+    try:
+        return Pieces(
+            [method_row(run, label) for label in run.summary["methods"]],
+            fcr_rows(run),
+            change_rows(run),
+            event_rows(run),
+            group_rows(run),
+            run_section(run, plots),
+        )
+    except FltError:
+        raise
+    except DAMAGE as exc:
+        raise ConfigError(
+            f"{run.path}: its summary.json, metrics.jsonl or config.yaml is not as flt writes it "
+            f"({type(exc).__name__}: {str(exc)[:200]}); rerun it, or leave it out of the report"
+        ) from None
+
+
 def build(paths: list[Path], out: Path) -> Path:
     """Write report.html, report.md and the CSV tables into `out`; return the page's path."""
     runs = tell_apart([load_run(p) for p in run_folders(paths)])
     make_folder(out, "--out")
-    rows = [method_row(run, label) for run in runs for label in run.summary["methods"]]
-    fcr = [r for run in runs for r in fcr_rows(run)]
-    changes = [r for run in runs for r in change_rows(run)]
-    events = [r for run in runs for r in event_rows(run)]
-    groups = [r for run in runs for r in group_rows(run)]
+    pieces = [read_run(run, out) for run in runs]
+    rows = [r for p in pieces for r in p.rows]
+    fcr = [r for p in pieces for r in p.fcr]
+    changes = [r for p in pieces for r in p.changes]
+    events = [r for p in pieces for r in p.events]
+    groups = [r for p in pieces for r in p.groups]
     tables = (("methods", rows), ("fcr", fcr), ("changes", changes), ("events", events), ("groups", groups))
     for name, table in tables:
         if table:
@@ -559,7 +600,7 @@ def build(paths: list[Path], out: Path) -> Path:
         f"<h1>{html.escape(title)}</h1>",
         f'<p class="note">{len(runs)} run(s); tables also in report.md and *.csv beside this page</p>',
         *(["<h2>All methods</h2>", html_table(*results_table(rows))] if len(runs) > 1 else []),
-        *[run_section(run, out) for run in runs],
+        *[p.section for p in pieces],
     ]
     page = out / "report.html"
     page.write_text(

@@ -277,7 +277,7 @@ def plot_convergence(run_dir: Path, summary: dict, path: Path | None = None) -> 
                         fontsize=7,
                         color="grey",
                     )
-    ax_r.set(xlabel="round", ylabel="mean client test accuracy (%)", title=summary["scenario"])
+    ax_r.set(xlabel="round", ylabel="mean client test accuracy (%)", title=str(summary.get("scenario", run_dir.name)))
     ax_r.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole
     ax_b.set(xlabel="bytes on the wire, up + down (MB)", ylabel="mean client test accuracy (%)")
     ax_b.set_xscale("symlog")

@@ -212,6 +212,44 @@ def test_a_damaged_run_folder_is_named_not_a_traceback(tmp_path, damage, words):
         html_report.build([run], tmp_path / "out")
 
 
+def _set(tree: dict, path: str, value) -> None:
+    *parents, last = [int(k) if k.isdigit() else k for k in path.split(".")]
+    for key in parents:
+        tree = tree[key]
+    tree[last] = value
+
+
+@pytest.mark.parametrize(
+    "file, path, value",
+    [  # each was a traceback (KeyError, TypeError, AttributeError, ValueError), found by damaging every field
+        ("summary.json", "scenario", {"a": 1}),
+        ("summary.json", "methods.fedavg", "x"),
+        ("summary.json", "methods.fedavg.final_accuracy", "x"),
+        ("summary.json", "methods.flt.bytes_payload.up", "x"),
+        ("summary.json", "methods.flt.bytes_up", [1]),
+        ("summary.json", "methods.flt.timing.wall_s", "x"),
+        ("summary.json", "methods.flt.fcr_reports.0.cluster_sizes", None),
+        ("summary.json", "methods.flt.rounds_to_target", "x"),
+        ("flt/metrics.jsonl", "acc_mean", "x"),
+        ("flt/metrics.jsonl", "bytes.up", None),
+    ],
+)
+def test_a_field_of_the_wrong_type_names_the_run_folder(tmp_path, file, path, value):
+    run = fake_run(tmp_path / "run")
+    if file == "summary.json":
+        summary = json.loads((run / file).read_text())
+        _set(summary, path, value)
+        (run / file).write_text(json.dumps(summary))
+    else:
+        records = [json.loads(line) for line in (run / file).read_text().splitlines()]
+        _set(records[1], path, value)
+        (run / file).write_text("".join(json.dumps(r) + "\n" for r in records))
+    try:
+        html_report.build([run], tmp_path / "out")  # a value it can show, or a field it does not read
+    except ConfigError as exc:
+        assert str(exc).startswith(f"{run}: its summary.json, metrics.jsonl or config.yaml is not as flt writes it")
+
+
 def test_final_table_gives_clusters_ari_and_emulated_time(tmp_path):
     summary = json.loads((fake_run(tmp_path / "run") / "summary.json").read_text())
     lines = table(summary).splitlines()
