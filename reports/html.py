@@ -555,7 +555,8 @@ class Pieces:
 
 
 # what a field of the wrong type or shape raises while a run's files are read and formatted
-DAMAGE: tuple[type[Exception], ...] = (KeyError, TypeError, ValueError, AttributeError, IndexError, OSError)
+# (not OSError: a full disk while the figures are written is not the run folder's fault)
+DAMAGE: tuple[type[Exception], ...] = (KeyError, TypeError, ValueError, AttributeError, IndexError)
 DAMAGE += (EOFError, zipfile.BadZipFile, yaml.YAMLError)
 
 
