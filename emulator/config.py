@@ -452,13 +452,16 @@ MODEL_COUNT = {"ifca": "clusters", "fedsem": "centers", "fesem_soft": "centers",
 
 def _check_model_count(spec: dict, given: dict, clients: int, where: str) -> None:
     """A count given above the clients is a mistake (their models cannot all be trained),
-    refused before it is allocated; the default count (5) stays usable with fewer clients."""
+    refused before it is allocated. The default (5) is cut to the clients where they are
+    fewer, and the resolved config.yaml says so, so a run resumes or reruns from it."""
     key = MODEL_COUNT.get(spec["name"])
     if key and key in given and spec["params"][key] > clients:
         raise ConfigError(
             f"{where}.{key}: {spec['params'][key]} models for {clients} clients (partition.clients); "
             "at most one a client"
         )
+    if key:
+        spec["params"][key] = min(spec["params"][key], clients)
 
 
 def _check_prox(mu: float, train: dict, where: str) -> None:

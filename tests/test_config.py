@@ -255,7 +255,7 @@ def test_integers_beyond_what_the_libraries_take_are_refused(override, words):
 @pytest.mark.parametrize(
     "method, key", [("ifca", "clusters"), ("fedsem", "centers"), ("fesem_soft", "centers"), ("fedgroup", "groups")]
 )
-def test_more_server_models_than_clients_are_refused(method, key):
+def test_more_server_models_than_clients_are_refused(method, key, tmp_path):
     """IFCA with 10^20 clusters was an overflow traceback, and any count given above the
     clients only allocates (and for IFCA sends) models no client can train."""
     clients = config.load(QUICKSTART)["partition"]["clients"]
@@ -266,7 +266,10 @@ def test_more_server_models_than_clients_are_refused(method, key):
     ):
         config.load(QUICKSTART, [f"methods=[{{name: {method}, {key}: {clients + 1}}}]"])
     few = config.load(QUICKSTART, ["partition.clients=3", "partition.clusters=3", f"methods=[{method}]"])
-    assert few["methods"][0]["params"][key] == 5  # the default count is not the user's mistake
+    assert few["methods"][0]["params"][key] == 3  # the default count (5) is cut to the clients, not refused
+    again = tmp_path / "config.yaml"  # as a run saves it: a resume reads it back (tests/shape_sweep.py, seed 23)
+    again.write_text(config.dump(few))
+    assert config.load(again)["methods"][0]["params"][key] == 3
 
 
 @pytest.mark.parametrize(
