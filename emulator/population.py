@@ -149,7 +149,10 @@ class Population:
                 self.drift_cb(rnd, self.schedule.drift[rnd])
             if rnd in self.schedule.arrivals:
                 self.arrive_cb(rnd, self.schedule.arrivals[rnd])
-        self.present = np.asarray(state["present"], dtype=bool).copy()
+        present = np.asarray(state["present"], dtype=bool)
+        if present.shape != self.present.shape:  # an altered checkpoint: the run's clients are fixed
+            raise ValueError(f"population.present: expected {len(self.present)} clients, found {present.size}")
+        self.present = present.copy()
         self.clock.load_state_dict(state["clock"])
         self.target = int(state["target"])
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import numbers
 import zipfile
 from pathlib import Path, PurePath
 from typing import Any
@@ -162,6 +163,8 @@ def restore_vars(obj: object, state: dict[str, Any]) -> None:
     (frozen dataclasses included: the saved values are the object's own)."""
     for name, value in state.items():
         current = getattr(obj, name, None)
+        if problem := unlike(current, value):
+            raise CheckpointError(f"{type(obj).__name__}.{name}: {problem}")
         if (
             type(current) is type(value)
             and type(value).__module__.split(".")[0] == PROJECT
@@ -173,3 +176,36 @@ def restore_vars(obj: object, state: dict[str, Any]) -> None:
             current.update(value)
         else:
             object.__setattr__(obj, name, value)
+
+
+def unlike(current: object, value: object) -> str | None:
+    """How a saved value does not fit the freshly built attribute it replaces, or None.
+    An altered file can hold any JSON: a model of another size or a round count that is
+    text would otherwise fail later, mid-round, or train nothing without a word. A tensor
+    keeps its kind, dtype, rank and last dimension (the parameter count, or the clients
+    of a mask; the count of cluster models may change); a number stays a number, a text
+    text, a container a container of its kind. An empty array (PACFL's adjacency before its
+    one exchange) only keeps its dtype and rank."""
+    if current is None or value is None:
+        return None
+    arrays = (np.ndarray, torch.Tensor)
+    if isinstance(current, arrays):
+        if type(value) is not type(current):
+            return f"expected a {type(current).__name__}, found {type(value).__name__}"
+        assert isinstance(value, arrays)
+        placeholder = current.numel() == 0 if isinstance(current, torch.Tensor) else current.size == 0
+        last = placeholder or value.shape[-1:] == current.shape[-1:]  # an empty one is filled in later
+        if value.dtype != current.dtype or value.ndim != current.ndim or not last:
+            want = f"(..., {current.shape[-1]})" if current.ndim else "()"
+            dtype = str(current.dtype).removeprefix("torch."), str(value.dtype).removeprefix("torch.")
+            return f"expected {dtype[0]} of shape {want}, found {dtype[1]} {tuple(value.shape)}"
+        return None
+    if isinstance(current, (bool, np.bool_)):
+        return None if isinstance(value, (bool, np.bool_)) else f"expected a bool, found {type(value).__name__}"
+    if isinstance(current, numbers.Real):  # a count may be saved as NumPy's, a time as an int
+        ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+        return None if ok else f"expected a number, found {type(value).__name__}"
+    if isinstance(current, (str, list, tuple, dict, set)):
+        kind = next(k for k in (str, list, tuple, dict, set) if isinstance(current, k))
+        return None if isinstance(value, kind) else f"expected a {kind.__name__}, found {type(value).__name__}"
+    return None

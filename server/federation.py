@@ -33,7 +33,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from flt.common.errors import FltError
+from flt.common.errors import FltError, short
 from flt.common.interrupts import deferred_interrupt
 from flt.common.wire import Message
 from flt.reports.summary import read_metrics, split_timing
@@ -556,11 +556,19 @@ def resume_method(
     """Put everything back as it was after the checkpoint's round: arrivals and drift
     replayed on the processes, device-held state, the ledger, the strategy. A record
     written after the checkpoint (killed in between) is dropped: that round runs again."""
-    state = checkpoint.load(out_dir / CHECKPOINT, fed.device)
-    done = state["round"]
-    population.load_state_dict(state["population"], upto=done)
-    strategy.load_state_dict(state["strategy"])
-    lacking = fed.load_state_dict(state["federation"], strategy.watch_encoder())
+    path = out_dir / CHECKPOINT
+    state = checkpoint.load(path, fed.device)
+    try:  # the file parsed, but its values come from disk: one that does not fit names the file
+        done = state["round"]
+        if not isinstance(done, int) or isinstance(done, bool) or done < 0:
+            raise ValueError(f"round: expected a round number, found {short(done, 40)}")
+        population.load_state_dict(state["population"], upto=done)
+        strategy.load_state_dict(state["strategy"])
+        lacking = fed.load_state_dict(state["federation"], strategy.watch_encoder())
+    except FltError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise checkpoint.DamagedCheckpoint(path, (str(exc) or type(exc).__name__)[:200]) from None
     if lost := state["federation"]["lost_devices"]:
         gone = fed.transport.lost_clients().tolist()
         progress(

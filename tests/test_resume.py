@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -357,6 +358,58 @@ def test_a_method_that_cannot_resume_says_what_to_delete_and_then_runs_again(fin
     assert res.returncode == 0, res.stderr
     assert "== fedavg ==" in res.stdout and "finished before" not in res.stdout
     assert results_without_timing(copy)["fedavg"] == results_without_timing(finished_run)["fedavg"]
+
+
+def _alter_checkpoint(path: Path, how: str) -> None:
+    """Rewrite a valid checkpoint with one value changed, as a hand edit or a bad disk could."""
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    state = json.loads(arrays["__state__"].tobytes())
+    for key, arr in list(arrays.items()):
+        if how == "model of another size" and arr.dtype == np.float32 and arr.ndim == 1:
+            arrays[key] = arr[:10]
+        if how == "mask of another length" and arr.dtype == bool:
+            arrays[key] = arr[:3]
+    if how == "round as text":
+        state["$dict"][0][1] = "x"
+    arrays["__state__"] = np.frombuffer(json.dumps(state).encode(), dtype=np.uint8)
+    np.savez(path, **arrays)
+
+
+@pytest.mark.parametrize(
+    "how, words",
+    [
+        ("model of another size", r"FedAvg\.global_model: expected float32 of shape \(\.\.\., 159010\), found"),
+        ("mask of another length", r"population\.present: expected 20 clients, found 3"),
+        ("round as text", r"round: expected a round number, found 'x'"),
+    ],
+)
+def test_an_altered_checkpoint_is_named_not_trained_from(finished_run, tmp_path, how, words):
+    """A model of another size resumed and every client failed its task, round after round,
+    to exit 0; a round that is text was a TypeError traceback; a participation mask of
+    another length resumed without a word."""
+    copy = tmp_path / "copy"
+    shutil.copytree(finished_run, copy)
+    (copy / "summary.json").unlink()  # as if killed mid-method: it resumes from its checkpoint
+    _alter_checkpoint(copy / "fedavg" / "checkpoint.npz", how)
+    res = flt_cli("run", "--resume", str(copy))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {copy / 'fedavg' / 'checkpoint.npz'}: damaged checkpoint ("), last
+    assert re.search(words, last), last
+
+
+def test_a_saved_value_must_fit_the_attribute_it_replaces():
+    models = torch.zeros(1, 8)
+    assert checkpoint.unlike(models, torch.zeros(4, 8)) is None  # more cluster models: fine
+    assert checkpoint.unlike(models, torch.zeros(4, 9)) == "expected float32 of shape (..., 8), found float32 (4, 9)"
+    assert checkpoint.unlike(models, np.zeros((1, 8), np.float32)) == "expected a Tensor, found ndarray"
+    assert checkpoint.unlike(3, 4.5) is None and checkpoint.unlike(3, "3") == "expected a number, found str"
+    assert checkpoint.unlike(True, 1) == "expected a bool, found int"  # a flag stays a flag
+    assert checkpoint.unlike(defaultdict(int), {}) is None
+    assert checkpoint.unlike([], {}) == "expected a list, found dict"
+    assert checkpoint.unlike(np.zeros((0, 0)), np.ones((20, 20))) is None  # PACFL's adjacency, filled in later
+    assert checkpoint.unlike(None, "anything") is None  # set later in the run: nothing to compare with
 
 
 def test_a_method_stopped_between_its_last_checkpoint_and_its_summary_is_kept_on_resume(finished_run, tmp_path):
