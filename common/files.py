@@ -10,16 +10,43 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 import numpy as np
 
-from flt.common.errors import FltError
+from flt.common.errors import FltError, short
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
     """The cache folder: ``$FLT_CACHE`` (when set and not empty) or ``~/.cache/flt``."""
     return Path(os.environ.get("FLT_CACHE") or Path.home() / ".cache" / "flt")
+
+
+def read_cache(path: Path, read: Callable[[Path], T]) -> T | None:
+    """read(path) of a cache file, or None where it is missing or cannot be read.
+
+    A cache only saves work: a file cut short, damaged or in another version's format is
+    rebuilt by the caller (with a warning naming it), never a reason to stop a run.
+    """
+    if not path.is_file():
+        return None
+    try:
+        return read(path)
+    except Exception as exc:  # whatever the reader (NumPy, torch, json) raises on a bad file
+        log.warning("cache file %s cannot be read (%s: %s); rebuilding it", path, type(exc).__name__, short(str(exc)))
+        return None
+
+
+def write_cache(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """write_atomic for a cache file; a cache folder that cannot be written (read-only,
+    a file, a full disk) costs the next run the same work again, so it is a warning."""
+    try:
+        write_atomic(path, write)
+    except OSError as exc:
+        log.warning("cannot write the cache file %s (%s); going on without it", path, exc.strerror or exc)
 
 
 def make_folder(path: Path, what: str, mode: int = 0o777) -> Path:
@@ -89,7 +116,7 @@ def folder_lock(folder: Path, what: str, check: Callable[[], None] = lambda: Non
             + "; wait for it to end, or choose another folder"
         ) from None
     except OSError as exc:  # a file system without locks (some network mounts): run unguarded
-        logging.getLogger("flt").warning(
+        log.warning(
             "%s: cannot lock %s (%s); a second run there would not be refused", what, folder, exc.strerror or exc
         )
     try:

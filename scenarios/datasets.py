@@ -33,7 +33,9 @@ Supported names (``DATASETS``):
 Caches (decoded ``.npz`` arrays) live in ``$FLT_CACHE`` (default
 ``~/.cache/flt``). Cache keys include the source's path, size and mtime (all files for
 FEMNIST) and a format version, and cache files are written to a temporary name and then
-renamed, so several device processes may load the same dataset at once.
+renamed, so several device processes may load the same dataset at once. A cache file
+that cannot be read (cut short, damaged) is rebuilt, and one that cannot be written (a
+read-only cache folder, a full disk) is skipped, each with a warning naming it.
 :func:`load_shared` maps a split read-only from an uncompressed ``.npy`` cache named by
 its content, so the device processes of one host share a single copy of its pages.
 """
@@ -44,6 +46,7 @@ import gzip
 import hashlib
 import io
 import json
+import logging
 import os
 import pickle
 import tarfile
@@ -51,13 +54,16 @@ import warnings
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from flt.common.errors import FltError, short
-from flt.common.files import cache_dir, save_npz_atomic, write_atomic
+from flt.common.files import cache_dir, read_cache, write_atomic, write_cache
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DATASETS",
@@ -593,25 +599,42 @@ def _load_imagefolder(name: str, root: Path | None, train: bool, download: bool)
                 stats.append((os.path.relpath(os.path.join(dirpath, fn), source), s.st_size, s.st_mtime_ns))
         key = _key("tree", str(source.resolve()), sorted(stats))
     npz = cache_dir() / "imagefolder" / f"{key}.npz"
-    if not npz.is_file():
-        items = _read_source(source)
-        # ImageFolder's order: classes by sorted name (from train), files sorted inside.
-        items.sort(key=lambda t: (t[0], t[1], t[2]))
-        classes = sorted({c for sp, c, _, _ in items if sp == "train"})
-        extra = sorted({c for sp, c, _, _ in items if sp == "test"} - set(classes))
-        if extra:
-            raise DataError(f"dataset '{name}': test classes {extra} are not in the train split")
-        cidx = {c: i for i, c in enumerate(classes)}
-        arrays = {"classes": np.array(classes, dtype=str)}
-        for part in ("train", "test"):
-            sel = [t for t in items if t[0] == part]
-            arrays[f"x_{part}"] = _decode_images([(f"{source}/{sp}/{c}/{f}", b) for sp, c, f, b in sel])
-            arrays[f"y_{part}"] = np.array([cidx[c] for _, c, _, _ in sel], dtype=np.int64)
-        save_npz_atomic(npz, **arrays)
-    with np.load(npz, allow_pickle=False) as z:
-        part = "train" if train else "test"
-        classes = [str(c) for c in z["classes"]]
-        return Dataset(x=z[f"x_{part}"], y=z[f"y_{part}"], num_classes=len(classes), name=name, classes=classes)
+    part = "train" if train else "test"
+    arrays = read_cache(npz, partial(_read_npz, keys=["classes", f"x_{part}", f"y_{part}"]))
+    if arrays is None:
+        arrays = _decode_image_folder(name, source)
+        _write_npz_cache(npz, arrays)
+    classes = [str(c) for c in arrays["classes"]]
+    return Dataset(x=arrays[f"x_{part}"], y=arrays[f"y_{part}"], num_classes=len(classes), name=name, classes=classes)
+
+
+def _decode_image_folder(name: str, source: Path) -> dict[str, np.ndarray]:
+    """Both splits of an image tree or tarball, decoded: the arrays its cache file holds."""
+    items = _read_source(source)
+    # ImageFolder's order: classes by sorted name (from train), files sorted inside.
+    items.sort(key=lambda t: (t[0], t[1], t[2]))
+    classes = sorted({c for sp, c, _, _ in items if sp == "train"})
+    extra = sorted({c for sp, c, _, _ in items if sp == "test"} - set(classes))
+    if extra:
+        raise DataError(f"dataset '{name}': test classes {extra} are not in the train split")
+    cidx = {c: i for i, c in enumerate(classes)}
+    arrays = {"classes": np.array(classes, dtype=str)}
+    for part in ("train", "test"):
+        sel = [t for t in items if t[0] == part]
+        arrays[f"x_{part}"] = _decode_images([(f"{source}/{sp}/{c}/{f}", b) for sp, c, f, b in sel])
+        arrays[f"y_{part}"] = np.array([cidx[c] for _, c, _, _ in sel], dtype=np.int64)
+    return arrays
+
+
+def _read_npz(path: Path, keys: list[str]) -> dict[str, np.ndarray]:
+    """The named arrays of a cache .npz, read into memory; a missing one is a KeyError."""
+    with np.load(path, allow_pickle=False) as z:
+        return {k: z[k] for k in keys}
+
+
+def _write_npz_cache(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Uncompressed, so a reload is a plain read (well under a second for CIFAR-10)."""
+    write_cache(path, lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]  # numpy's stubs: see save_npz_atomic
 
 
 # ----------------------------------------------------------------------------- FEMNIST
@@ -630,47 +653,50 @@ def _load_femnist(root: Path | None, train: bool, download: bool) -> Dataset:
         )
     stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in tr_files + te_files]
     npz = cache_dir() / "femnist" / f"{_key('femnist-v2', stats)}.npz"
-    if not npz.is_file():
-        # Parsing ~80 MB of JSON takes seconds; do it once for both splits, since the
-        # writer index must be shared by train and test.
-        parsed = {}
-        for part, files in (("train", tr_files), ("test", te_files)):
-            xs, ys, users = [], [], []
-            for p in files:
-                d = _leaf_json(p)
-                for u in d["users"]:
-                    x, y = _leaf_user(p, u, d["user_data"][u])
-                    if len(y) == 0:
-                        continue
-                    xs.append(x)
-                    ys.append(y)
-                    users.append((u, len(y)))
-            parsed[part] = (xs, ys, users)
-        all_users = sorted({u for part in parsed.values() for u, _ in part[2]})
-        lookup = {u: i for i, u in enumerate(all_users)}
-        arrays = {"group_names": np.array(all_users, dtype=str)}
-        for part, (xs, ys, users) in parsed.items():
-            if not xs:
-                raise DataError(f"dataset 'femnist' at {root}: its {part}/ LEAF files hold no samples")
-            x = np.concatenate(xs)
-            # LEAF stores ink dark on a white (1.0) page; invert to MNIST/EMNIST's bright ink,
-            # so encoders and models see one convention across handwriting datasets
-            arrays[f"x_{part}"] = np.clip(np.rint((1.0 - x) * 255.0), 0, 255).astype(np.uint8)[:, None]
-            arrays[f"y_{part}"] = np.concatenate(ys)
-            arrays[f"g_{part}"] = np.repeat(
-                np.array([lookup[u] for u, _ in users], dtype=np.int64), [n for _, n in users]
-            )
-        save_npz_atomic(npz, **arrays)
-    with np.load(npz, allow_pickle=False) as z:
-        part = "train" if train else "test"
-        return Dataset(
-            x=z[f"x_{part}"],
-            y=z[f"y_{part}"],
-            num_classes=62,
-            name=name,
-            groups=z[f"g_{part}"],
-            group_names=[str(u) for u in z["group_names"]],
-        )
+    part = "train" if train else "test"
+    arrays = read_cache(npz, partial(_read_npz, keys=["group_names", f"x_{part}", f"y_{part}", f"g_{part}"]))
+    if arrays is None:
+        arrays = _parse_femnist(root, tr_files, te_files)
+        _write_npz_cache(npz, arrays)
+    return Dataset(
+        x=arrays[f"x_{part}"],
+        y=arrays[f"y_{part}"],
+        num_classes=62,
+        name=name,
+        groups=arrays[f"g_{part}"],
+        group_names=[str(u) for u in arrays["group_names"]],
+    )
+
+
+def _parse_femnist(root: Path, tr_files: list[Path], te_files: list[Path]) -> dict[str, np.ndarray]:
+    """Both splits of LEAF's JSON, with one writer index: the arrays its cache file holds.
+    Parsing ~80 MB of JSON takes seconds, so it is done once for both splits."""
+    parsed = {}
+    for part, files in (("train", tr_files), ("test", te_files)):
+        xs, ys, users = [], [], []
+        for p in files:
+            d = _leaf_json(p)
+            for u in d["users"]:
+                x, y = _leaf_user(p, u, d["user_data"][u])
+                if len(y) == 0:
+                    continue
+                xs.append(x)
+                ys.append(y)
+                users.append((u, len(y)))
+        parsed[part] = (xs, ys, users)
+    all_users = sorted({u for part in parsed.values() for u, _ in part[2]})
+    lookup = {u: i for i, u in enumerate(all_users)}
+    arrays = {"group_names": np.array(all_users, dtype=str)}
+    for part, (xs, ys, users) in parsed.items():
+        if not xs:
+            raise DataError(f"dataset 'femnist' at {root}: its {part}/ LEAF files hold no samples")
+        x = np.concatenate(xs)
+        # LEAF stores ink dark on a white (1.0) page; invert to MNIST/EMNIST's bright ink,
+        # so encoders and models see one convention across handwriting datasets
+        arrays[f"x_{part}"] = np.clip(np.rint((1.0 - x) * 255.0), 0, 255).astype(np.uint8)[:, None]
+        arrays[f"y_{part}"] = np.concatenate(ys)
+        arrays[f"g_{part}"] = np.repeat(np.array([lookup[u] for u, _ in users], dtype=np.int64), [n for _, n in users])
+    return arrays
 
 
 def _leaf_user(path: Path, user: str, data: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -765,9 +791,7 @@ def load_shared(name: str, root: str | os.PathLike | None, train: bool, download
     try:
         x, y = (_mapped(folder / f"{stem}.{part}.npy", arr) for part, arr in (("x", ds.x), ("y", ds.y)))
     except OSError as exc:
-        warnings.warn(
-            f"dataset '{name}': no shared cache in {folder} ({exc}); this process keeps its own copy", stacklevel=2
-        )
+        log.warning("dataset '%s': no shared cache in %s (%s); this process keeps its own copy", name, folder, exc)
         return ds
     return replace(ds, x=x, y=y)
 
@@ -778,7 +802,7 @@ def _mapped(path: Path, arr: np.ndarray) -> np.ndarray:
         done = np.load(path, mmap_mode="r")
         if done.shape == arr.shape and done.dtype == arr.dtype:
             return done
-    except (OSError, ValueError):  # missing, or cut short: (re)write it
+    except (OSError, ValueError, EOFError):  # missing, cut short or emptied: (re)write it
         pass
     write_atomic(path, lambda f: np.save(f, np.ascontiguousarray(arr)))
     return np.load(path, mmap_mode="r")

@@ -14,11 +14,12 @@ import json
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from flt.common.files import cache_dir, write_atomic
+from flt.common.files import cache_dir, read_cache, write_cache
 from flt.common.schema import ConfigError
 from flt.models.autoencoder import ConvAE
 from flt.reports.terminal import Progress, active, step
@@ -91,22 +92,40 @@ def pretrained_autoencoder(
     """Load from cache or pretrain; returns the model (eval mode, CPU) and a report."""
     key = cache_key(images, settings)
     path = cache_dir() / "encoders" / f"convae-{key}.pt"
-    torch.manual_seed(settings["seed"])  # initial weights too: the key must determine the encoder
-    ae = ConvAE(tuple(images.shape[1:]), settings["latent"], settings["channels"])
+
+    def fresh() -> ConvAE:  # initial weights too: the key must determine the encoder
+        torch.manual_seed(settings["seed"])
+        return ConvAE(tuple(images.shape[1:]), settings["latent"], settings["channels"])
+
     # the final loss is kept beside the weights: a cache hit reports what a miss does
     # (apart from the timing fields), so reruns give the same summary
     facts = path.with_suffix(".json")
-    if path.exists():
-        ae.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        known = json.loads(facts.read_text()) if facts.exists() else {}
-        return ae.eval(), {"cache": str(path), "cached": True, "seconds": 0.0, **known}
+    ae = read_cache(path, partial(_load_weights, fresh))
+    mse = read_cache(facts, _load_final_mse) if ae is not None else None
+    if ae is not None and mse is not None:
+        return ae.eval(), {"cache": str(path), "cached": True, "seconds": 0.0, "final_mse": mse}
     tic = time.perf_counter()
+    ae = fresh()  # freshly seeded: a load that failed may have filled part of the last one
     loss = pretrain(ae, images, settings, device, progress)
     # each writer its own temporary file: runs sharing the cache may pretrain the same
     # encoder at once, and the second rename must not find the first one's file gone
-    write_atomic(facts, lambda f: f.write(json.dumps({"final_mse": loss}).encode()))
-    write_atomic(path, lambda f: torch.save(ae.state_dict(), f))
+    write_cache(facts, lambda f: f.write(json.dumps({"final_mse": loss}).encode()))
+    write_cache(path, lambda f: torch.save(ae.state_dict(), f))
     return ae.eval(), {"cache": str(path), "cached": False, "seconds": time.perf_counter() - tic, "final_mse": loss}
+
+
+def _load_weights(fresh: Callable[[], ConvAE], path: Path) -> ConvAE:
+    ae = fresh()
+    ae.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    return ae
+
+
+def _load_final_mse(path: Path) -> float:
+    facts = json.loads(path.read_text())
+    mse = facts.get("final_mse") if isinstance(facts, dict) else None
+    if not isinstance(mse, float | int) or isinstance(mse, bool):
+        raise ValueError("no final_mse number in it")
+    return float(mse)
 
 
 def pretrain(ae: ConvAE, images: np.ndarray, s: dict, device: torch.device, progress: Progress | None = None) -> float:

@@ -567,3 +567,49 @@ def test_emnist_balanced_feeds_s4s_structured_sampler(tmp_path):
     for c in range(10):
         held = np.unique(np.concatenate([train.y[p.train[m]] for m in np.flatnonzero(p.cluster == c)]))
         assert held.tolist() == list(range(4 * c, 4 * c + 5))
+
+
+# ----------------------------------------------------------------------------- a damaged or unwritable cache
+
+
+def damage(path: Path, how: str) -> None:
+    """A cache file emptied, cut in half, or overwritten with other bytes of its length."""
+    data = path.read_bytes()
+    new = {"empty": b"", "half": data[: len(data) // 2], "garbage": np.random.default_rng(1).bytes(len(data))}
+    path.write_bytes(new[how])
+
+
+def write_dataset(kind: str, base: Path) -> tuple[str, Path]:
+    if kind == "imagefolder":
+        write_tree(base / "tree")
+        return "imagefolder", base / "tree"
+    write_leaf(base / "femnist")
+    return "femnist", base / "femnist"
+
+
+@pytest.mark.parametrize("how", ["empty", "half", "garbage"])
+@pytest.mark.parametrize("kind", ["imagefolder", "femnist"])
+def test_a_damaged_decoded_cache_is_decoded_again_with_a_warning(tmp_path, kind, how, caplog):
+    """A cache only saves work: a file cut short (a crash, a full disk) or overwritten is
+    rebuilt from the source, never a traceback that stops the run."""
+    name, root = write_dataset(kind, tmp_path)
+    first = load_dataset(name, root, train=True)
+    (npz,) = (tmp_path / "cache").rglob("*.npz")
+    damage(npz, how)
+    again = load_dataset(name, root, train=True)
+    np.testing.assert_array_equal(again.x, first.x)
+    np.testing.assert_array_equal(again.y, first.y)
+    assert f"cache file {npz} cannot be read" in caplog.text
+    caplog.clear()
+    np.testing.assert_array_equal(load_dataset(name, root, train=False).y, load_dataset(name, root, False).y)
+    assert "cannot be read" not in caplog.text  # the rebuilt file is whole again
+
+
+@pytest.mark.parametrize("kind", ["imagefolder", "femnist"])
+def test_an_unwritable_cache_folder_decodes_and_warns(tmp_path, monkeypatch, kind, caplog):
+    (tmp_path / "file").write_text("")  # a folder under a file cannot be made, even by root
+    monkeypatch.setenv("FLT_CACHE", str(tmp_path / "file" / "cache"))
+    name, root = write_dataset(kind, tmp_path)
+    got = load_dataset(name, root, train=False)
+    assert len(got.y) == len(got.x) > 0
+    assert "cannot write the cache file" in caplog.text and str(tmp_path / "file") in caplog.text

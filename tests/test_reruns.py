@@ -270,3 +270,49 @@ def test_two_runs_pretraining_the_same_encoder_at_once_both_get_it(tmp_path):
     left = sorted(p.name for p in (tmp_path / "encoders").iterdir())
     assert [name for name in left if name.endswith(".tmp")] == []  # nothing half-written stays
     assert len([name for name in left if name.endswith(".pt")]) == 1
+
+
+def _encoder_weights(ae) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in ae.state_dict().values()]
+
+
+@pytest.mark.parametrize(
+    "file,bytes_",
+    [
+        (".pt", b""),
+        (".pt", b"PK\x03\x04 cut short"),
+        (".pt", b"\x80\x04not a state dict"),
+        (".json", b'{"final_mse": 0.1'),
+        (".json", b"[1, 2]"),
+        (".json", b"\xff\xfe"),
+    ],
+)
+def test_a_damaged_encoder_cache_pretrains_again_to_the_same_weights(tmp_path, monkeypatch, caplog, file, bytes_):
+    """The cached encoder is only saved work: a damaged weights or facts file is a warning
+    naming it, and the encoder pretrained again is the one a clean cache gives."""
+    from flt.server import encoder
+
+    monkeypatch.setenv("FLT_CACHE", str(tmp_path))
+    images = np.random.default_rng(0).integers(0, 256, (20, 1, 28, 28), dtype=np.uint8)
+    clean, report = encoder.pretrained_autoencoder(images, ENCODER, torch.device("cpu"))
+    path = Path(report["cache"]).with_suffix(file)
+    path.write_bytes(bytes_)
+    again, report = encoder.pretrained_autoencoder(images, ENCODER, torch.device("cpu"))
+    assert not report["cached"] and f"cache file {path} cannot be read" in caplog.text
+    for a, b in zip(_encoder_weights(again), _encoder_weights(clean), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    hit, report = encoder.pretrained_autoencoder(images, ENCODER, torch.device("cpu"))
+    assert report["cached"] and isinstance(report["final_mse"], float)  # rewritten whole
+    assert all(torch.equal(a, b) for a, b in zip(_encoder_weights(hit), _encoder_weights(clean), strict=True))
+
+
+def test_an_unwritable_encoder_cache_still_gives_the_encoder(tmp_path, monkeypatch, caplog):
+    from flt.server import encoder
+
+    (tmp_path / "file").write_text("")  # a folder under a file cannot be made, even by root
+    monkeypatch.setenv("FLT_CACHE", str(tmp_path / "file"))
+    images = np.random.default_rng(0).integers(0, 256, (20, 1, 28, 28), dtype=np.uint8)
+    ae, report = encoder.pretrained_autoencoder(images, ENCODER, torch.device("cpu"))
+    assert not report["cached"] and isinstance(report["final_mse"], float)
+    assert not ae.training and list((tmp_path / "file").parent.glob("**/*.tmp")) == []
+    assert "cannot write the cache file" in caplog.text and str(tmp_path / "file") in caplog.text
