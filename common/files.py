@@ -74,18 +74,30 @@ def save_npz_atomic(path: Path, **arrays: np.ndarray) -> None:
     write_atomic(path, lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]
 
 
-def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
-    """Call write(file) on a temporary file beside `path`, then rename it into place."""
+def write_atomic(path: Path, write: Callable[[IO[bytes]], object], first_wins: bool = False) -> None:
+    """Call write(file) on a temporary file beside `path`, then rename it into place.
+
+    `first_wins`: where a whole file already sits at `path` by then (another process wrote
+    it meanwhile), keep that one. Processes that memory-map the file then all map one
+    copy; a rename over it would leave the first process mapping a deleted file of its own.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
-        os.replace(tmp, path)
-    except BaseException:
+        if not first_wins:
+            os.replace(tmp, path)
+            return
+        try:
+            os.link(tmp, path)  # never replaces: FileExistsError where a file is there
+        except FileExistsError:
+            pass
+        except OSError:  # a file system without hard links: the last writer wins
+            os.replace(tmp, path)
+    finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise
 
 
 LOCK_NAME = ".lock"  # in a run folder: held by the process writing into it

@@ -804,7 +804,9 @@ def _mapped(path: Path, arr: np.ndarray) -> np.ndarray:
             return done
     except (OSError, ValueError, EOFError):  # missing, cut short or emptied: (re)write it
         pass
-    write_atomic(path, lambda f: np.save(f, np.ascontiguousarray(arr)))
+    # a damaged file is replaced; a missing one may be written by a device beside this one
+    # meanwhile, and then that one is mapped by both
+    write_atomic(path, lambda f: np.save(f, np.ascontiguousarray(arr)), first_wins=not path.exists())
     return np.load(path, mmap_mode="r")
 
 

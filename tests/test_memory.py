@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from flt.common.files import cache_dir
+from flt.common.files import cache_dir, write_atomic
 from flt.devices.device import Images, _shard
 from flt.emulator.processes import DeviceFleet
 from flt.emulator.run import assign_clients
@@ -67,8 +67,23 @@ def test_a_shard_holds_indices_and_labels_and_makes_the_old_floats_on_demand():
     assert one.data_ptr() != two.data_ptr()  # made per access: nothing cached on the shard
 
 
+@pytest.mark.parametrize("first_wins", [True, False])
+def test_a_split_written_meanwhile_by_another_process_is_kept_not_renamed_over(tmp_path, first_wins):
+    path = tmp_path / "split.npy"
+
+    def write_while_another_process_finishes_first(f):
+        f.write(b"ours")
+        path.write_bytes(b"theirs")
+
+    write_atomic(path, write_while_another_process_finishes_first, first_wins=first_wins)
+    assert path.read_bytes() == (b"theirs" if first_wins else b"ours")
+    assert [p.name for p in tmp_path.iterdir()] == ["split.npy"]  # no temporary file left
+
+
 @pytest.mark.slow  # two device processes import torch: about 15 s on 2 cores
 def test_two_device_processes_map_the_same_cache_file(tmp_path):
+    """Run first in a session (an empty cache), both devices write the split at once, and
+    the second renamed its copy over the first's, which then mapped a deleted file."""
     transport = Transport()
     fleet = DeviceFleet(transport.endpoint, tmp_path / "logs")
     try:
