@@ -380,9 +380,18 @@ class CohortTrainer:
         vectorize: bool | str = "auto",
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-client (correct, total, mean loss) of model b on client b's data: one vmapped
-        pass over the padded cohort, or (`use_vmap` says no: a CNN on a CPU) client by client."""
+        pass over the padded cohort, or client by client (`use_vmap` says no, or "auto" on a
+        CPU, whatever the model).
+
+        On a CPU a vmapped row's last bits can depend on the padded row count (on one 2-core
+        Xeon, MKL's batched product gave other bits for 11 rows than for 32 in most
+        models), so a client's loss would depend on the cohort's largest shard, that is on
+        how its clients are split over devices; IFCA's and FLT's picks compare such losses.
+        Client by client, a client's figures depend on its own data only, and the loop is
+        as fast there (benchmarks/README.md, bench_pick.py)."""
         self.model.eval()
-        if not use_vmap(vectorize, self.model, stacked.device):
+        on_cpu_auto = vectorize == "auto" and stacked.device.type != "cuda"
+        if on_cpu_auto or not use_vmap(vectorize, self.model, stacked.device):
             return self._evaluate_loop(stacked, xs, ys, chunk)
         xpad, lengths = _pad(xs)
         ypad, _ = _pad(ys)
