@@ -84,8 +84,12 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], object], first_wins: b
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+        except OSError as exc:  # a full disk: name the file meant, not a file object's None
+            exc.filename = exc.filename or str(path)
+            raise
         if not first_wins:
             os.replace(tmp, path)
             return

@@ -190,11 +190,13 @@ def _suite(args) -> int:
 
     report.COMMAND = args.argv
     codes: list[int] = []
+    again = f"run the same command again to resume ({args.out})"
     code = stoppable(
         lambda: guarded(
-            lambda: codes.append(suite.run_suite([Path(p) for p in args.scenarios], args.set, Path(args.out)))
+            lambda: codes.append(suite.run_suite([Path(p) for p in args.scenarios], args.set, Path(args.out))),
+            again,
         ),
-        f"run the same command again to resume ({args.out})",
+        again,
     )
     return code or (codes[0] if codes else 0)
 
@@ -290,10 +292,11 @@ def exit_code(stop: KeyboardInterrupt) -> int:
     return 143 if stopped(stop) == "terminated" else 130
 
 
-def guarded(action: Callable[[], object]) -> int:
+def guarded(action: Callable[[], object], again: str | None = None) -> int:
     """Run a command. The project's own errors (input mistakes, devices that failed) and
     running out of memory or disk (the machine's fault, not a bug) print one line and exit
-    with their code; anything else is a bug and keeps its traceback."""
+    with their code; anything else is a bug and keeps its traceback. `again`: how to go on
+    after the machine's fault, where it is not `flt run --resume` of the run's folder."""
     try:
         action()
     except FltError as exc:
@@ -303,8 +306,7 @@ def guarded(action: Callable[[], object]) -> int:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         print(
-            f"error: the disk is full (writing {exc.filename or 'a file'}); the rounds so far are in the run "
-            "folder: free space, then `flt run --resume RUN_DIR`",
+            f"error: the disk is full (writing {exc.filename or 'a file'}); {then_resume(exc, 'free space', again)}",
             file=sys.stderr,
         )
         return DeviceError.exit_code
@@ -312,13 +314,24 @@ def guarded(action: Callable[[], object]) -> int:
         if not out_of_memory(exc):
             raise
         what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        fix = "free memory (on a shared GPU, run fewer jobs at once)"
         print(
-            f"error: the server ran out of memory ({short(what, 240)}); the rounds so far are in the run "
-            "folder: free memory (on a shared GPU, run fewer jobs at once), then `flt run --resume RUN_DIR`",
-            file=sys.stderr,
+            f"error: the server ran out of memory ({short(what, 240)}); {then_resume(exc, fix, again)}", file=sys.stderr
         )
         return DeviceError.exit_code
     return 0
+
+
+def then_resume(exc: BaseException, fix: str, again: str | None = None) -> str:
+    """What a run stopped by the machine (`exc`: no disk or memory left) leaves, and how to
+    go on: `again`, or the folder it names (emulator/run.py), or, before that existed, the
+    command again."""
+    run_dir = getattr(exc, "run_dir", None)
+    if again:
+        return f"{fix}, then {again}"
+    if run_dir is None:
+        return f"{fix}, then run the command again (no run folder was ready to resume)"
+    return f"the rounds so far are in {run_dir}: {fix}, then `flt run --resume {run_dir}`"
 
 
 def out_of_memory(exc: BaseException) -> bool:

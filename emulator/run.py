@@ -338,9 +338,10 @@ def run_scenario(cfg: dict, out: str | None = None, progress: Progress = print, 
     with ExitStack() as hold:
         try:
             return _run_scenario(cfg, out, progress, resume, hold, ready)
-        except KeyboardInterrupt as stop:
-            # the command names the folder, or says there is none to resume
-            stop.run_dir = ready[0] if ready else None  # type: ignore[attr-defined]
+        except (KeyboardInterrupt, OSError, MemoryError, RuntimeError) as stop:  # torch's OOM: a RuntimeError
+            # a stop, a full disk, no memory left: the command names the folder to resume, or
+            # says there is none
+            stop.run_dir = ready[0] if ready else None  # type: ignore[union-attr]
             raise
 
 

@@ -4,6 +4,7 @@ run folder or process exists; a bug keeps its traceback (exit 1)."""
 from __future__ import annotations
 
 import gzip
+import json
 import subprocess
 import sys
 import tracemalloc
@@ -574,7 +575,7 @@ def test_running_out_of_memory_is_one_line_and_exit_3_not_a_traceback(error, cap
 
     assert guarded(action) == 3
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "ran out of memory" in err and "--resume" in err
+    assert err.count("\n") == 1 and "ran out of memory" in err and "run the command again" in err
     assert "Process 1" not in err  # the first line only
     with pytest.raises(RuntimeError, match="a bug"):  # anything else keeps its traceback
         guarded(lambda: (_ for _ in ()).throw(RuntimeError("a bug")))
@@ -586,11 +587,16 @@ def test_a_full_disk_is_one_line_and_exit_3_not_a_traceback(capsys):
     from flt.emulator.cli import guarded
 
     def action():  # what writing metrics.jsonl raises when the disk fills mid-run
-        raise OSError(errno.ENOSPC, "No space left on device", "runs/x/fedavg/metrics.jsonl")
+        exc = OSError(errno.ENOSPC, "No space left on device", "runs/x/fedavg/metrics.jsonl")
+        exc.run_dir = Path("runs/x")  # as emulator/run.py names the folder it was writing
+        raise exc
 
     assert guarded(action) == 3
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "disk is full" in err and "metrics.jsonl" in err and "--resume" in err
+    assert err.count("\n") == 1 and "disk is full" in err and "metrics.jsonl" in err
+    assert "`flt run --resume runs/x`" in err
+    assert guarded(action, again="run the same command again") == 3  # flt suite's way on
+    assert "free space, then run the same command again" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError):  # other OS errors are not the disk's, and keep their traceback
         guarded(lambda: Path("/nonexistent/flt/file").read_text())
 
@@ -614,3 +620,46 @@ def test_an_output_folder_that_cannot_be_made_names_its_option(tmp_path, command
     what = {"run": "--out", "relate": "--out", "keys": "flt keys DIR"}[command[0]]
     what = "output" if "output=" in " ".join(command) else what
     assert f"error: {what}:" in proc.stderr and str(blocker) in proc.stderr
+
+
+# `flt run` with NumPy's savez failing as a full disk would, from its `after`-th call on
+# (the partition is the first .npz a run writes, then a checkpoint after set-up and after
+# every round)
+FULL_DISK_AFTER = """
+import errno, sys
+import numpy as np
+real, calls = np.savez, [0]
+def savez(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] > int(sys.argv[1]):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return real(*args, **kwargs)
+np.savez = savez
+from flt.emulator.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_mid_run_names_the_file_and_the_folder_to_resume(tmp_path):
+    """The message named neither: `writing a file` (NumPy writes through a file object)
+    and `flt run --resume RUN_DIR`."""
+    out = tmp_path / "run"
+    sets = ["--set", "train.rounds=3", "--set", "methods=[fedavg]", "--out", str(out)]
+    full = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_AFTER, "3", "run", str(QUICKSTART), *sets],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert full.returncode == 3 and "Traceback" not in full.stderr, full.stderr[-2000:]
+    last = full.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"error: the disk is full (writing {out / 'fedavg' / 'checkpoint.npz'}); the rounds so far are in "
+        f"{out}: free space, then `flt run --resume {out}`"
+    )
+    rounds = lambda: [json.loads(line)["round"] for line in (out / "fedavg" / "metrics.jsonl").open()]  # noqa: E731
+    assert rounds()[:1] == [1]  # what was done is on disk (checkpoints are paced: the failed one was later)
+    resumed = flt("run", "--resume", str(out))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert rounds() == [1, 2, 3]
