@@ -104,6 +104,18 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], object], first_wins: b
             os.unlink(tmp)
 
 
+def append_line(path: Path, text: str) -> None:
+    """Append `text` and a newline to the file, closed again at once. A file kept open
+    would fail twice on a full disk: the flush, then its close on the way out, whose error
+    names no file (a file object's never does)."""
+    try:
+        with open(path, "a") as f:
+            f.write(text + "\n")
+    except OSError as exc:
+        exc.filename = exc.filename or str(path)
+        raise
+
+
 LOCK_NAME = ".lock"  # in a run folder: held by the process writing into it
 
 

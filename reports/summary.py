@@ -160,8 +160,12 @@ def finished_methods(run_dir: Path, cfg: dict) -> dict:
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
-    tmp = run_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2, default=_jsonable))
+    tmp = run_dir / "summary.json.tmp"  # not write_atomic's: its mkstemp file is private (0600)
+    try:
+        tmp.write_text(json.dumps(summary, indent=2, default=_jsonable))
+    except OSError as exc:  # a full disk: name the file, as a file object's error does not
+        exc.filename = exc.filename or str(tmp)
+        raise
     tmp.replace(run_dir / "summary.json")
 
 

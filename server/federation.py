@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from flt.common.errors import FltError, short
+from flt.common.files import append_line
 from flt.common.interrupts import deferred_interrupt
 from flt.common.wire import Message
 from flt.reports.summary import read_metrics, split_timing
@@ -437,75 +438,74 @@ def run_method(
         done, history, setup_s = 0, [], time.perf_counter() - tic
         (out_dir / "metrics.jsonl").write_text("")
         pacer.save(save_checkpoint, out_dir, 0, setup_s, strategy, fed, population)
-    with open(out_dir / "metrics.jsonl", "a") as sink:
-        # records on_round has seen: a kill can fall between the two. 0 on a resume too: the
-        # resumed summary keeps only the methods that finished (reports/summary.py)
-        summarized = 0
-        try:
-            for rnd in range(done + 1, rounds + 1):
-                transport.require_hosts(rnd - 1)
-                r_tic = time.perf_counter()
-                events = population.before_round(rnd)  # drift applied, newcomers connected
-                candidates = np.setdiff1d(population.candidates(rnd), transport.lost_clients())
-                fed.present = candidates  # only the server loop sets who is present
-                for event in events:
-                    if event["kind"] == "arrival":  # the strategy places its newcomers (FLT: embed, join)
-                        event |= strategy.on_arrival(rnd, np.asarray(event["clients"], dtype=np.int64), fed) or {}
-                    elif event.get("noticed"):  # devices that found their data moved said so at once
-                        strategy.on_notice(rnd, np.asarray(event["noticed"], dtype=np.int64))
-                selected = population.select(rnd, candidates)
-                tasks = strategy.train_tasks(rnd, selected)
-                trained = fed.train(rnd, tasks, population.delays(rnd, tasks), population.timeout(fed.timeout_s))
-                strategy.observe(rnd, trained.results)  # late replies too: what they say still counts
-                results = trained.counted()
-                strategy.aggregate(rnd, results)
-                events += strategy.maintain(rnd, fed)
-                events += fed.take_events()  # set-up's (round 1), an arrival's, a re-clustering's
-                write_artifacts(out_dir, strategy.take_artifacts())  # a re-clustering's adjacency, ...
-                record = {
-                    "method": strategy.name,
-                    "round": rnd,
-                    "selected": int(len(selected)),
-                    "returned": int(len(results)),
-                    "events": events,
-                    **_round_clock(trained.report, events),
-                }
-                timing = {"train_s": time.perf_counter() - r_tic}  # selection, training, aggregation
-                if rnd % eval_every == 0 or rnd == rounds:
-                    e_tic = time.perf_counter()
-                    present = np.setdiff1d(population.candidates(rnd), transport.lost_clients())
-                    models, rows = strategy.eval_models(present)
-                    newcomers = population.newcomers()
-                    scores = fed.evaluate(rnd, present, models, rows)
-                    record.update(accuracy_stats(scores, newcomers), per_client=per_client_scores(scores))
-                    timing["eval_s"] = time.perf_counter() - e_tic
-                timing.update(wall_s=time.perf_counter() - tic, setup_s=setup_s)
-                record["bytes"] = _bytes_so_far(transport)
-                record, extra = split_timing(record)  # e.g. a re-clustering event's seconds
-                record["timing"] = {**timing, **(extra or {})}
-                with deferred_interrupt():  # on disk and in the history, or neither
-                    sink.write(json.dumps(record) + "\n")
-                    sink.flush()
-                    history.append(record)
-                if pacer.due(final=rnd == rounds):
-                    pacer.save(save_checkpoint, out_dir, rnd, setup_s, strategy, fed, population)
-                if on_round:
-                    on_round(history)
-                    summarized = len(history)
-                # a bar on a terminal, a line every few rounds elsewhere; arrivals, drift and
-                # re-clustering always get their line
-                step(progress, rnd, rounds, _line(record, rounds), "round", force=bool(events))
-                _print_notes(progress, strategy)  # a re-clustering's clusters
-            if on_round and summarized < len(history):  # killed after the last round's checkpoint, before on_round
+    metrics = out_dir / "metrics.jsonl"  # a record a round, appended (opened each time: see append_line)
+    # records on_round has seen: a kill can fall between the two. 0 on a resume too: the
+    # resumed summary keeps only the methods that finished (reports/summary.py)
+    summarized = 0
+    try:
+        for rnd in range(done + 1, rounds + 1):
+            transport.require_hosts(rnd - 1)
+            r_tic = time.perf_counter()
+            events = population.before_round(rnd)  # drift applied, newcomers connected
+            candidates = np.setdiff1d(population.candidates(rnd), transport.lost_clients())
+            fed.present = candidates  # only the server loop sets who is present
+            for event in events:
+                if event["kind"] == "arrival":  # the strategy places its newcomers (FLT: embed, join)
+                    event |= strategy.on_arrival(rnd, np.asarray(event["clients"], dtype=np.int64), fed) or {}
+                elif event.get("noticed"):  # devices that found their data moved said so at once
+                    strategy.on_notice(rnd, np.asarray(event["noticed"], dtype=np.int64))
+            selected = population.select(rnd, candidates)
+            tasks = strategy.train_tasks(rnd, selected)
+            trained = fed.train(rnd, tasks, population.delays(rnd, tasks), population.timeout(fed.timeout_s))
+            strategy.observe(rnd, trained.results)  # late replies too: what they say still counts
+            results = trained.counted()
+            strategy.aggregate(rnd, results)
+            events += strategy.maintain(rnd, fed)
+            events += fed.take_events()  # set-up's (round 1), an arrival's, a re-clustering's
+            write_artifacts(out_dir, strategy.take_artifacts())  # a re-clustering's adjacency, ...
+            record = {
+                "method": strategy.name,
+                "round": rnd,
+                "selected": int(len(selected)),
+                "returned": int(len(results)),
+                "events": events,
+                **_round_clock(trained.report, events),
+            }
+            timing = {"train_s": time.perf_counter() - r_tic}  # selection, training, aggregation
+            if rnd % eval_every == 0 or rnd == rounds:
+                e_tic = time.perf_counter()
+                present = np.setdiff1d(population.candidates(rnd), transport.lost_clients())
+                models, rows = strategy.eval_models(present)
+                newcomers = population.newcomers()
+                scores = fed.evaluate(rnd, present, models, rows)
+                record.update(accuracy_stats(scores, newcomers), per_client=per_client_scores(scores))
+                timing["eval_s"] = time.perf_counter() - e_tic
+            timing.update(wall_s=time.perf_counter() - tic, setup_s=setup_s)
+            record["bytes"] = _bytes_so_far(transport)
+            record, extra = split_timing(record)  # e.g. a re-clustering event's seconds
+            record["timing"] = {**timing, **(extra or {})}
+            with deferred_interrupt():  # on disk and in the history, or neither
+                append_line(metrics, json.dumps(record))
+                history.append(record)
+            if pacer.due(final=rnd == rounds):
+                pacer.save(save_checkpoint, out_dir, rnd, setup_s, strategy, fed, population)
+            if on_round:
                 on_round(history)
-        except KeyboardInterrupt:
-            # the last record is on disk; let the summary say so too (not after the last
-            # round: there the summary's count marks the method finished, and its last
-            # checkpoint may not be written)
-            if on_round and summarized < len(history) < rounds:
-                with deferred_interrupt():
-                    on_round(history)
-            raise
+                summarized = len(history)
+            # a bar on a terminal, a line every few rounds elsewhere; arrivals, drift and
+            # re-clustering always get their line
+            step(progress, rnd, rounds, _line(record, rounds), "round", force=bool(events))
+            _print_notes(progress, strategy)  # a re-clustering's clusters
+        if on_round and summarized < len(history):  # killed after the last round's checkpoint, before on_round
+            on_round(history)
+    except KeyboardInterrupt:
+        # the last record is on disk; let the summary say so too (not after the last
+        # round: there the summary's count marks the method finished, and its last
+        # checkpoint may not be written)
+        if on_round and summarized < len(history) < rounds:
+            with deferred_interrupt():
+                on_round(history)
+        raise
     return history
 
 

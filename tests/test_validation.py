@@ -622,6 +622,23 @@ def test_an_output_folder_that_cannot_be_made_names_its_option(tmp_path, command
     assert f"error: {what}:" in proc.stderr and str(blocker) in proc.stderr
 
 
+def test_a_full_disk_while_a_record_or_the_summary_is_written_names_the_file(tmp_path):
+    """/dev/full answers every write with ENOSPC; a file object's error carried no name."""
+    import errno
+
+    from flt.common.files import append_line
+    from flt.reports.summary import write_summary
+
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    with pytest.raises(OSError) as caught:
+        append_line(tmp_path / "metrics.jsonl", '{"round": 1}')  # a round's record
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(tmp_path / "metrics.jsonl")
+    (tmp_path / "summary.json.tmp").symlink_to("/dev/full")
+    with pytest.raises(OSError) as caught:
+        write_summary(tmp_path, {"methods": {}})
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(tmp_path / "summary.json.tmp")
+
+
 # `flt run` with NumPy's savez failing as a full disk would, from its `after`-th call on
 # (the partition is the first .npz a run writes, then a checkpoint after set-up and after
 # every round)
