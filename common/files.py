@@ -14,7 +14,7 @@ from typing import IO, TypeVar
 
 import numpy as np
 
-from flt.common.errors import FltError, short
+from flt.common.errors import DeviceError, FltError, short
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ def write_cache(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """write_atomic for a cache file; a cache folder that cannot be written (read-only,
     a file, a full disk) costs the next run the same work again, so it is a warning."""
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, write)
     except OSError as exc:
         log.warning("cannot write the cache file %s (%s); going on without it", path, exc.strerror or exc)
@@ -80,8 +81,8 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], object], first_wins: b
     `first_wins`: where a whole file already sits at `path` by then (another process wrote
     it meanwhile), keep that one. Processes that memory-map the file then all map one
     copy; a rename over it would leave the first process mapping a deleted file of its own.
+    The folder must exist: a run folder deleted mid-run is never made again here.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         try:
@@ -117,6 +118,18 @@ def append_line(path: Path, text: str) -> None:
 
 
 LOCK_NAME = ".lock"  # in a run folder: held by the process writing into it
+
+
+def require_run_folder(run_dir: Path) -> None:
+    """Stop a run whose folder was deleted by hand mid-run: the next write would make it
+    again (the method's folder, its artifacts) and fill it with the rest of a run whose
+    first rounds are gone. The lock file, made when the run began, tells."""
+    if not (run_dir / LOCK_NAME).is_file():
+        raise folder_removed(run_dir)
+
+
+def folder_removed(run_dir: Path | str) -> DeviceError:
+    return DeviceError(f"the run folder {run_dir} was removed while the run wrote into it; run the command again")
 
 
 @contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -303,6 +304,11 @@ def guarded(action: Callable[[], object], again: str | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except OSError as exc:
+        if gone := removed_run_dir(exc):  # a write that found it gone before the round's check did
+            from flt.common.files import folder_removed
+
+            print(f"error: {folder_removed(gone)}", file=sys.stderr)
+            return DeviceError.exit_code
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         print(
@@ -320,6 +326,14 @@ def guarded(action: Callable[[], object], again: str | None = None) -> int:
         )
         return DeviceError.exit_code
     return 0
+
+
+def removed_run_dir(exc: OSError) -> str | None:
+    """The run folder `exc` names (emulator/run.py), where the error is that it is gone:
+    deleted by hand mid-run, with every result and checkpoint in it."""
+    run_dir = getattr(exc, "run_dir", None)
+    missing = exc.errno == errno.ENOENT and run_dir is not None and not os.path.isdir(run_dir)
+    return str(run_dir) if missing else None
 
 
 def then_resume(exc: BaseException, fix: str, again: str | None = None) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flt.common.files import folder_lock, make_folder
+from flt.common.files import LOCK_NAME, folder_lock, make_folder, require_run_folder
 from flt.common.interrupts import deferred_interrupt
 from flt.common.schema import ConfigError
 from flt.common.wire import Message, encode, frame_bytes
@@ -435,7 +435,8 @@ def _run_scenario(
             }
             summary["rejected"] = transport.rejections.summary()  # the whole run's, start-up included
             summary["security"] = transport.gate.report()
-            report.write_summary(run_dir, summary)
+            if (run_dir / LOCK_NAME).is_file():  # not into a folder deleted mid-run (require_run_folder)
+                report.write_summary(run_dir, summary)
     if summary["rejected"]["rejected_messages"]:
         progress(rejected_note(summary["rejected"]))
     return run_dir
@@ -512,4 +513,5 @@ def run_one(
         progress,
         on_round=record,
         resume=resume,
+        before_writes=lambda: require_run_folder(run_dir),
     )

@@ -13,8 +13,12 @@ from flt.reports.figures import plot_fcr, plot_timeline
 
 
 def write_artifacts(out_dir: Path, artifacts: list[Artifact]) -> list[Path]:
-    """NAME.npz for each artifact, plus the figures its `plot` names; returns the paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """NAME.npz for each artifact, plus the figures its `plot` names; returns the paths.
+    The method's folder is made if missing, but never its run's: a run folder deleted
+    mid-run is not made again (the write fails, and the run stops naming it)."""
+    if not artifacts:
+        return []
+    out_dir.mkdir(exist_ok=True)
     paths = []
     for art in artifacts:
         paths.append(out_dir / f"{art.name}.npz")

@@ -806,6 +806,7 @@ def _mapped(path: Path, arr: np.ndarray) -> np.ndarray:
         pass
     # a damaged file is replaced; a missing one may be written by a device beside this one
     # meanwhile, and then that one is mapped by both
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, lambda f: np.save(f, np.ascontiguousarray(arr)), first_wins=not path.exists())
     return np.load(path, mmap_mode="r")
 

@@ -123,6 +123,7 @@ class Partition:
         }
         if self.groups is not None:
             arrays["groups"] = self.groups
+        path.parent.mkdir(parents=True, exist_ok=True)
         save_npz_atomic(path, **arrays)
 
     @classmethod

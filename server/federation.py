@@ -413,12 +413,14 @@ def run_method(
     progress: Progress = print,
     on_round: Callable[[list[dict]], None] | None = None,
     resume: bool = False,
+    before_writes: Callable[[], None] = lambda: None,
 ) -> list[dict]:
     """Setup, then T rounds of select / train / aggregate / evaluate. Each round's record
     is appended to out_dir/metrics.jsonl as soon as it exists, the state is checkpointed
     (out_dir/CHECKPOINT, after setup as round 0, then as CheckpointPacer allows, and after
     the last round) and `on_round(history)` is called. `resume` continues after the
-    checkpoint's round instead of starting over."""
+    checkpoint's round instead of starting over. `before_writes` runs before each round
+    writes anything (the run's check that its folder is still there)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     transport = fed.transport
     fed.declare(strategy.name, strategy.DEVICE_OPS)
@@ -462,6 +464,7 @@ def run_method(
             strategy.aggregate(rnd, results)
             events += strategy.maintain(rnd, fed)
             events += fed.take_events()  # set-up's (round 1), an arrival's, a re-clustering's
+            before_writes()
             write_artifacts(out_dir, strategy.take_artifacts())  # a re-clustering's adjacency, ...
             record = {
                 "method": strategy.name,

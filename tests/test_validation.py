@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flt_command import flt  # tests/ is on sys.path under pytest
+from flt_command import flt, flt_popen  # tests/ is on sys.path under pytest
 
 from flt.common.errors import FltError
 from flt.common.schema import ConfigError
@@ -329,7 +329,7 @@ def test_a_missing_encoder_dataset_stops_the_run_before_any_folder_or_process(tm
         str(out),
     )
     assert_one_line_error(res, 2, "methods[1](flt).encoder: dataset 'mnist'", str(empty))
-    assert not out.exists()
+    assert not out.exists(), sorted(str(p.relative_to(out)) for p in out.rglob("*"))
 
 
 # -- relative paths and --methods labels ------------------------------------------------------
@@ -386,7 +386,7 @@ def test_invalid_set_yaml_and_an_empty_file_exit_2_naming_field_and_file(tmp_pat
     empty.write_text("# nothing here\n")
     res = flt("run", str(empty), "--out", str(out))
     assert_one_line_error(res, 2, str(empty), "empty")
-    assert not out.exists()
+    assert not out.exists(), sorted(str(p.relative_to(out)) for p in out.rglob("*"))
 
 
 def write_idx(path: Path, arr: np.ndarray) -> None:
@@ -411,7 +411,7 @@ def test_truncated_data_file_exits_2_naming_it_and_leaves_no_run_folder(tmp_path
     res = flt("run", str(scen), "--out", str(out), cwd=tmp_path / "data")  # root: relative to the file
     assert_one_line_error(res, 2, str(bad), "corrupt or truncated")
     assert res.stdout.startswith(f"data: mnist from {root}\n"), res.stdout
-    assert not out.exists()
+    assert not out.exists(), sorted(str(p.relative_to(out)) for p in out.rglob("*"))
 
 
 @pytest.mark.slow
@@ -427,7 +427,7 @@ def test_checks_against_the_data_leave_no_run_folder(tmp_path, override, words):
     extra = ["--set", "partition.kind=dirichlet"] if "newcomers" in override else []
     res = flt("run", str(QUICKSTART), "--set", override, *extra, "--out", str(out))
     assert_one_line_error(res, 2, *words)
-    assert not out.exists()
+    assert not out.exists(), sorted(str(p.relative_to(out)) for p in out.rglob("*"))
 
 
 @pytest.mark.slow
@@ -680,3 +680,28 @@ def test_a_disk_that_fills_mid_run_names_the_file_and_the_folder_to_resume(tmp_p
     resumed = flt("run", "--resume", str(out))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert rounds() == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_run_folder_deleted_mid_run_stops_the_run_in_one_line_and_stays_deleted(tmp_path):
+    """Deleted by hand while FedAvg ran, the folder was made again by the next round's
+    writes and filled with the rest of the run, without its first rounds; or, when a
+    write came first, the run stopped with a FileNotFoundError traceback."""
+    import shutil
+    import time
+
+    out = tmp_path / "run"
+    args = ["run", str(QUICKSTART), "--set", "train.rounds=5000", "--set", "methods=[fedavg]", "--out", str(out)]
+    proc = flt_popen(*args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    metrics = out / "fedavg" / "metrics.jsonl"
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its folder was deleted"
+        time.sleep(0.05)
+    shutil.rmtree(out)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
+        f"error: the run folder {out} was removed while the run wrote into it; run the command again"
+    )
+    assert not out.exists(), sorted(str(p.relative_to(out)) for p in out.rglob("*"))
