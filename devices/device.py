@@ -41,6 +41,10 @@ from flt.scenarios.datasets import load_shared
 from flt.scenarios.shift import ClientShift, client_shifts
 
 log = logging.getLogger("flt.device")
+# malformed messages, none valid, before a device gives up on its --connect address: an flt
+# server sends none, but libzmq reads any byte stream that does not open with ZMTP 3's
+# greeting as ZMTP 1.0 frames, so a port of another program fed it garbage for ever
+NOT_A_SERVER = 20
 
 
 @dataclass
@@ -149,6 +153,7 @@ class Device:
         self.trainer: CohortTrainer | None = None
         self.accel = torch.device("cpu")  # where cohorts train: set by the run's assign
         self.rejected = 0
+        self.heard = False  # any message that decoded: the other end speaks our protocol
         self.crash_at_round = crash_at_round  # fault injection: die mid-round, as a real device can
 
     # -- loop -----------------------------------------------------------------------
@@ -172,7 +177,17 @@ class Device:
             except ProtocolError as exc:
                 self.rejected += 1
                 log.error("%s: rejected malformed message (%d so far): %s", self.name, self.rejected, exc)
+                if not self.heard and self.rejected >= NOT_A_SERVER:
+                    log.error(
+                        "%s: %s sent %d malformed messages and no flt message: not an flt server (a wrong "
+                        "--connect address?); exiting",
+                        self.name,
+                        self.endpoint,
+                        self.rejected,
+                    )
+                    return 2
                 continue
+            self.heard = True
             if msg.kind == "shutdown":
                 log.info("%s: shutdown", self.name)
                 return 0

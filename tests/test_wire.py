@@ -665,3 +665,40 @@ def test_a_device_that_stops_reading_is_lost_not_a_hung_server():
         stuck.close()
         good.close()
         server.sock.close(linger=0)
+
+
+@pytest.mark.slow  # a device process imports torch
+def test_a_device_pointed_at_another_program_gives_up_in_one_line():
+    """libzmq reads a byte stream that does not open with ZMTP 3's greeting as ZMTP 1.0
+    frames: a device whose --connect named another program's port (here one that answers
+    every connection with random bytes) rejected the garbage as malformed messages for ever."""
+    import os
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def answer_with_garbage():
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                conn, _ = listener.accept()
+                with conn:
+                    conn.sendall(os.urandom(4096))
+                    time.sleep(0.2)
+
+    threading.Thread(target=answer_with_garbage, daemon=True).start()
+    try:
+        device = subprocess.run(
+            [sys.executable, "-m", "flt.emulator.cli", "device", "--connect", f"tcp://127.0.0.1:{port}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        stop.set()
+        listener.close()
+    assert device.returncode == 2, device.stderr[-2000:]
+    assert "Traceback" not in device.stderr
+    assert f"tcp://127.0.0.1:{port} sent 20 malformed messages and no flt message: not an flt server" in device.stderr
