@@ -65,14 +65,17 @@ def make_folder(path: Path, what: str, mode: int = 0o777) -> Path:
     return path
 
 
-def save_npz_atomic(path: Path, **arrays: np.ndarray) -> None:
-    """Write an uncompressed .npz under a temporary name, then rename into place.
-
-    Uncompressed so a reload is a plain read (well under a second for CIFAR-10);
-    the rename makes concurrent loaders see either nothing or a complete file.
-    """
+def npz_writer(arrays: dict[str, np.ndarray]) -> Callable[[IO[bytes]], object]:
+    """Writes `arrays` as an uncompressed .npz into a file: a reload is then a plain read
+    (well under a second for CIFAR-10)."""
     # numpy's stubs type **arrays as if a key could be allow_pickle (a bool)
-    write_atomic(path, lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]
+    return lambda f: np.savez(f, **arrays)  # type: ignore[arg-type]
+
+
+def save_npz_atomic(path: Path, **arrays: np.ndarray) -> None:
+    """Write an uncompressed .npz under a temporary name, then rename into place: the
+    rename makes concurrent loaders see either nothing or a complete file."""
+    write_atomic(path, npz_writer(arrays))
 
 
 def write_atomic(path: Path, write: Callable[[IO[bytes]], object], first_wins: bool = False) -> None:

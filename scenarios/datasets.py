@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 
 from flt.common.errors import FltError, short
-from flt.common.files import cache_dir, read_cache, write_atomic, write_cache
+from flt.common.files import cache_dir, npz_writer, read_cache, write_atomic, write_cache
 
 log = logging.getLogger(__name__)
 
@@ -603,7 +603,7 @@ def _load_imagefolder(name: str, root: Path | None, train: bool, download: bool)
     arrays = read_cache(npz, partial(_read_npz, keys=["classes", f"x_{part}", f"y_{part}"]))
     if arrays is None:
         arrays = _decode_image_folder(name, source)
-        _write_npz_cache(npz, arrays)
+        write_cache(npz, npz_writer(arrays))
     classes = [str(c) for c in arrays["classes"]]
     return Dataset(x=arrays[f"x_{part}"], y=arrays[f"y_{part}"], num_classes=len(classes), name=name, classes=classes)
 
@@ -632,11 +632,6 @@ def _read_npz(path: Path, keys: list[str]) -> dict[str, np.ndarray]:
         return {k: z[k] for k in keys}
 
 
-def _write_npz_cache(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Uncompressed, so a reload is a plain read (well under a second for CIFAR-10)."""
-    write_cache(path, lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]  # numpy's stubs: see save_npz_atomic
-
-
 # ----------------------------------------------------------------------------- FEMNIST
 
 
@@ -657,7 +652,7 @@ def _load_femnist(root: Path | None, train: bool, download: bool) -> Dataset:
     arrays = read_cache(npz, partial(_read_npz, keys=["group_names", f"x_{part}", f"y_{part}", f"g_{part}"]))
     if arrays is None:
         arrays = _parse_femnist(root, tr_files, te_files)
-        _write_npz_cache(npz, arrays)
+        write_cache(npz, npz_writer(arrays))
     return Dataset(
         x=arrays[f"x_{part}"],
         y=arrays[f"y_{part}"],
